@@ -1,0 +1,16 @@
+"""Neighborhood attention operators (heads-last ``[B, *spatial, H, D]``).
+
+>>> import torch, ops
+>>> q = k = v = torch.randn(2, 32, 32, 4, 16)
+>>> out = ops.na2d(q, k, v, kernel_size=7, dilation=2)
+"""
+from .backends import PREFERENCE, available_backends, current_backend, register_backend, use_backend
+from .functional import na1d, na2d, na3d, neighborhood_attention
+from .modules import NeighborhoodAttention1D, NeighborhoodAttention2D, NeighborhoodAttention3D
+from .window import NAParams
+
+__all__ = [
+    "na1d", "na2d", "na3d", "neighborhood_attention",
+    "NeighborhoodAttention1D", "NeighborhoodAttention2D", "NeighborhoodAttention3D",
+    "use_backend", "current_backend", "available_backends", "register_backend", "PREFERENCE", "NAParams",
+]

@@ -1,0 +1,124 @@
+"""Backend registry and selection.
+
+A backend is a module-level object with
+
+* ``name``: its registry name;
+* ``unsupported(problem) -> str | None``: why it cannot serve a problem (``None`` = it can);
+* ``attention(q, k, v, params, rpb, scale) -> (out, lse)``: neighborhood attention on
+  validated heads-last inputs, ``out [B, *spatial, H, Dv]`` in the input dtype, ``lse
+  [B, *spatial, H]`` in float32 (float64 for float64 inputs), both differentiable.
+
+Backends are imported lazily, so a missing optional dependency (e.g. Triton) only disables the
+backend that needs it.  ``backend=None`` takes the first backend in ``PREFERENCE`` that serves the
+problem; the reasons others were rejected go to the ``ops.backends`` debug log.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .window import NAParams
+
+log = logging.getLogger(__name__)
+
+# name -> module path holding a `BACKEND` object
+_REGISTRY: dict[str, str] = {
+    "naive": "ops.naive",
+    "gemm": "ops.gemm",
+    "fused": "ops.fused",
+    "flex": "ops.flex",
+}
+# Fastest first.  `naive` is last: it serves every problem.
+PREFERENCE: tuple[str, ...] = ("fused", "gemm", "flex", "naive")
+
+_state = threading.local()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What a backend needs to decide whether it can run."""
+
+    params: NAParams
+    dtype: torch.dtype
+    device: torch.device
+    head_dim: int
+    value_dim: int
+    heads_q: int
+    heads_kv: int
+    has_rpb: bool
+    requires_grad: bool
+
+
+def available_backends() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def register_backend(name: str, module_path: str) -> None:
+    """Adds a backend (a module exposing ``BACKEND``) to the registry."""
+    _REGISTRY[name] = module_path
+
+
+def load_backend(name: str):
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: unknown backend {name!r}; choose one of {sorted(_REGISTRY)} or None")
+    try:
+        module = importlib.import_module(_REGISTRY[name])
+    except ImportError as err:  # e.g. triton missing: the backend is unavailable, not broken
+        return _Unavailable(name, f"cannot import {_REGISTRY[name]}: {err}")
+    return module.BACKEND
+
+
+class _Unavailable:
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+
+    def unsupported(self, problem: Problem) -> str | None:
+        return self.reason
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None):
+    """Selects the backend for every NA call in the block (``None`` = automatic).
+
+    >>> with ops.use_backend("naive"):
+    ...     y = model(x)
+    """
+    if name is not None and name not in _REGISTRY:
+        raise ValueError(f"backend: unknown backend {name!r}; choose one of {sorted(_REGISTRY)} or None")
+    previous = getattr(_state, "backend", None)
+    _state.backend = name
+    try:
+        yield
+    finally:
+        _state.backend = previous
+
+
+def current_backend() -> str | None:
+    """The backend selected by the innermost ``use_backend`` block, or ``None``."""
+    return getattr(_state, "backend", None)
+
+
+def select_backend(problem: Problem, requested: str | None):
+    """Returns the backend object for a call; raises ``ValueError`` if the request cannot be met."""
+    name = requested if requested is not None else current_backend()
+    if name is not None:
+        backend = load_backend(name)
+        reason = backend.unsupported(problem)
+        if reason is not None:
+            raise ValueError(f"backend: {name!r} cannot serve this problem: {reason}")
+        return backend
+    rejected = []
+    for candidate in PREFERENCE:
+        backend = load_backend(candidate)
+        reason = backend.unsupported(problem)
+        if reason is None:
+            if rejected:
+                log.debug("NA backend %r chosen; rejected: %s", candidate, "; ".join(rejected))
+            return backend
+        rejected.append(f"{candidate}: {reason}")
+    raise ValueError("backend: no backend can serve this problem: " + "; ".join(rejected))

@@ -1,0 +1,230 @@
+"""Public functional API: argument checking in one place, then backend dispatch.
+
+Layout is heads-last: ``query, key, value: [B, *spatial, H, D]``.  See ``ops.window`` for the
+exact window rules.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence, Union
+
+import torch
+
+from .backends import Problem, select_backend
+from .window import NAParams
+
+IntOrTuple = Union[int, Sequence[int]]
+BoolOrTuple = Union[bool, Sequence[bool]]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _per_axis(value, rank: int, name: str, kind: type) -> tuple:
+    """Expands an int/bool or a per-axis sequence into a tuple of ``rank`` entries."""
+    if isinstance(value, (list, tuple)):
+        values = tuple(value)
+        if len(values) != rank:
+            raise ValueError(f"{name}: expected one value per spatial axis ({rank}), got {len(values)}: {value!r}")
+    else:
+        values = (value,) * rank
+    for axis, v in enumerate(values):
+        if kind is bool:
+            if not isinstance(v, (bool, int)) or isinstance(v, int) and v not in (0, 1):
+                raise ValueError(f"{name}: axis {axis}: expected a bool, got {v!r}")
+        elif isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name}: axis {axis}: expected an int, got {v!r}")
+    return tuple(kind(v) for v in values)
+
+
+def make_params(spatial: Sequence[int], kernel_size, stride=1, dilation=1, is_causal=False) -> NAParams:
+    """Validates window arguments against a spatial shape (DESIGN.md constraints)."""
+    rank = len(spatial)
+    kernel_size = _per_axis(kernel_size, rank, "kernel_size", int)
+    stride = _per_axis(stride, rank, "stride", int)
+    dilation = _per_axis(dilation, rank, "dilation", int)
+    is_causal = _per_axis(is_causal, rank, "is_causal", bool)
+    for axis, (L, K, s, d) in enumerate(zip(spatial, kernel_size, stride, dilation)):
+        if K < 1:
+            raise ValueError(f"kernel_size: axis {axis}: must be >= 1, got {K}")
+        if not 1 <= s <= K:
+            raise ValueError(f"stride: axis {axis}: must satisfy 1 <= stride <= kernel_size ({K}), got {s}")
+        if d < 1:
+            raise ValueError(f"dilation: axis {axis}: must be >= 1, got {d}")
+        if K * d > L:
+            raise ValueError(
+                f"kernel_size: axis {axis}: kernel_size * dilation = {K} * {d} = {K * d} exceeds the "
+                f"spatial size {L}"
+            )
+    return NAParams(tuple(int(L) for L in spatial), kernel_size, stride, dilation, is_causal)
+
+
+def _check_tensors(rank, query, key, value, rpb, params_args, additional_keys, additional_values):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+        if t.dim() != rank + 3:
+            raise ValueError(
+                f"{name}: expected a {rank + 3}-D tensor [B, {', '.join('L%d' % a for a in range(rank))}, H, D] "
+                f"for {rank}-D attention, got shape {tuple(t.shape)}"
+            )
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype: query dtype {query.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise ValueError(f"dtype: {name} dtype {t.dtype} differs from query dtype {query.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"device: {name} is on {t.device}, query on {query.device}")
+        if t.shape[: rank + 1] != query.shape[: rank + 1]:
+            raise ValueError(
+                f"spatial shape: {name} batch/spatial shape {tuple(t.shape[:rank + 1])} differs from "
+                f"query's {tuple(query.shape[:rank + 1])}"
+            )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"head dim: key head dim {key.shape[-1]} differs from query head dim {query.shape[-1]}")
+    if query.shape[-1] < 1 or value.shape[-1] < 1:
+        raise ValueError("head dim: must be >= 1")
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"heads: key has {key.shape[-2]} heads, value {value.shape[-2]}")
+    if key.shape[-2] < 1 or query.shape[-2] % key.shape[-2] != 0:
+        raise ValueError(
+            f"heads: key/value heads ({key.shape[-2]}) must divide query heads ({query.shape[-2]}) (GQA/MQA)"
+        )
+    if any(n == 0 for n in query.shape):
+        raise ValueError(f"query: empty tensor of shape {tuple(query.shape)}")
+
+    params = make_params(tuple(query.shape[1 : rank + 1]), *params_args)
+
+    if rpb is not None:
+        if not isinstance(rpb, torch.Tensor):
+            raise ValueError(f"rpb: expected a tensor, got {type(rpb).__name__}")
+        if any(params.is_causal):
+            raise ValueError(
+                f"rpb: relative positional bias is not defined on causal axes (is_causal={params.is_causal})"
+            )
+        expected = (query.shape[-2], *params.rpb_shape)
+        if tuple(rpb.shape) != expected:
+            raise ValueError(f"rpb: expected shape {expected} [heads, 2K-1 per axis], got {tuple(rpb.shape)}")
+        if rpb.device != query.device:
+            raise ValueError(f"rpb: is on {rpb.device}, query on {query.device}")
+        if not rpb.is_floating_point():
+            raise ValueError(f"rpb: expected a floating-point tensor, got {rpb.dtype}")
+
+    if (additional_keys is None) != (additional_values is None):
+        raise ValueError("additional_keys: additional_keys and additional_values must be given together")
+    if additional_keys is not None:
+        b, hkv, d, dv = query.shape[0], key.shape[-2], key.shape[-1], value.shape[-1]
+        for name, t, last in (("additional_keys", additional_keys, d), ("additional_values", additional_values, dv)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{name}: expected a 4-D tensor [B, N_extra, H_kv, D]")
+            if t.shape[0] != b or t.shape[2] != hkv or t.shape[3] != last:
+                raise ValueError(f"{name}: expected shape [{b}, N_extra, {hkv}, {last}], got {tuple(t.shape)}")
+            if t.dtype != query.dtype or t.device != query.device:
+                raise ValueError(f"{name}: dtype/device must match query ({query.dtype}, {query.device})")
+        if additional_keys.shape[1] != additional_values.shape[1]:
+            raise ValueError("additional_values: must have as many tokens as additional_keys")
+    return params
+
+
+def _dense_attention(query, keys, values, scale):
+    """Attention of every query over a small set of extra keys: ``(out, lse)``, float32 math."""
+    b, *spatial, hq, d = query.shape
+    hkv = keys.shape[2]
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q = query.reshape(b, -1, hkv, hq // hkv, d).to(compute)
+    logits = torch.einsum("bnkgd,bxkd->bnkgx", q, keys.to(compute)) * scale
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.einsum("bnkgx,bxkd->bnkgd", torch.softmax(logits, dim=-1), values.to(compute))
+    return out.reshape(b, *spatial, hq, values.shape[-1]), lse.reshape(b, *spatial, hq)
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Combines two attentions over disjoint key sets through their log-sum-exps."""
+    lse = torch.logaddexp(lse_a.to(lse_b.dtype), lse_b)
+    w_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    w_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    out = out_a.to(w_a.dtype) * w_a + out_b * w_b
+    return out, lse
+
+
+def neighborhood_attention(
+    rank: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kernel_size: IntOrTuple,
+    stride: IntOrTuple = 1,
+    dilation: IntOrTuple = 1,
+    is_causal: BoolOrTuple = False,
+    rpb: torch.Tensor | None = None,
+    scale: float | None = None,
+    additional_keys: torch.Tensor | None = None,
+    additional_values: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """N-D neighborhood attention (see ``na1d`` / ``na2d`` / ``na3d``)."""
+    params = _check_tensors(
+        rank, query, key, value, rpb, (kernel_size, stride, dilation, is_causal), additional_keys, additional_values
+    )
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    problem = Problem(
+        params=params,
+        dtype=query.dtype,
+        device=query.device,
+        head_dim=query.shape[-1],
+        value_dim=value.shape[-1],
+        heads_q=query.shape[-2],
+        heads_kv=key.shape[-2],
+        has_rpb=rpb is not None,
+        requires_grad=torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (query, key, value, rpb)),
+    )
+    impl = select_backend(problem, backend)
+    out, lse = impl.attention(query, key, value, params, rpb, float(scale))
+    if additional_keys is not None:
+        out_x, lse_x = _dense_attention(query, additional_keys, additional_values, float(scale))
+        out, lse = merge_attention(out, lse, out_x, lse_x)
+        out = out.to(query.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _doc(rank: int) -> str:
+    return f"""{rank}-D neighborhood attention.
+
+    Args:
+        query, key, value: ``[B, {', '.join('L%d' % a for a in range(rank))}, H, D]`` (key/value may have fewer
+            heads than query as long as they divide it: GQA/MQA).
+        kernel_size, stride, dilation: int or per-axis tuple.
+        is_causal: bool or per-axis tuple.
+        rpb: optional relative positional bias ``[H, 2K-1 per axis]`` (non-causal only).
+        scale: logit scale, default ``D ** -0.5``.
+        additional_keys, additional_values: optional ``[B, N_extra, H_kv, D]`` tokens every query
+            attends to, merged with the neighborhood result through the log-sum-exp.
+        return_lse: also return the log-sum-exp ``[B, *spatial, H]`` (float32).
+        backend: ``"naive" | "gemm" | "fused" | "flex"`` or ``None`` (``ops.use_backend``, else the
+            fastest that serves the inputs).
+    """
+
+
+def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, rpb=None, scale=None,
+         additional_keys=None, additional_values=None, return_lse=False, backend=None):
+    return neighborhood_attention(1, query, key, value, kernel_size, stride, dilation, is_causal, rpb, scale,
+                                  additional_keys, additional_values, return_lse, backend)
+
+
+def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, rpb=None, scale=None,
+         additional_keys=None, additional_values=None, return_lse=False, backend=None):
+    return neighborhood_attention(2, query, key, value, kernel_size, stride, dilation, is_causal, rpb, scale,
+                                  additional_keys, additional_values, return_lse, backend)
+
+
+def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, rpb=None, scale=None,
+         additional_keys=None, additional_values=None, return_lse=False, backend=None):
+    return neighborhood_attention(3, query, key, value, kernel_size, stride, dilation, is_causal, rpb, scale,
+                                  additional_keys, additional_values, return_lse, backend)
+
+
+na1d.__doc__, na2d.__doc__, na3d.__doc__ = _doc(1), _doc(2), _doc(3)

@@ -1,0 +1,157 @@
+"""Backend ``naive``: gather-based neighborhood attention in pure PyTorch (the paper's baseline).
+
+Every query gathers its own window of keys and values.  Queries are processed in chunks so the
+gathered ``[B, chunk, W, H, D]`` tensors stay under a fixed memory budget; the backward recomputes
+each chunk's logits from the saved log-sum-exp (flash-style) instead of keeping them, so training
+memory is bounded too.  Runs on any device and dtype (math in float32, float64 for float64).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..window import NAParams, neighbor_table
+
+# Upper bound on the bytes of one chunk's gathered keys (values are the same order of size).
+CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def _tables(params: NAParams, device: torch.device, lo: int, hi: int):
+    """Slot tables of queries [lo, hi), built per chunk so no [N, W] table is ever held whole."""
+    key, valid, rel = neighbor_table(params, queries=torch.arange(lo, hi, device=device))
+    return key, valid, rel, not any(params.is_causal)
+
+
+def _compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_size(batch, window, heads_kv, dim, elem_bytes):
+    per_query = batch * window * heads_kv * dim * elem_bytes
+    return max(1, CHUNK_BYTES // max(per_query, 1))
+
+
+class _Chunk:
+    """Gathered window of one chunk of queries, in compute precision."""
+
+    def __init__(self, q, k, v, rpb, params, lo, hi, scale, groups):
+        key_idx, valid, rel, all_valid = _tables(params, q.device, lo, hi)
+        ct = _compute_dtype(q.dtype)
+        b, n, hq, d = q.shape
+        hkv = k.shape[2]
+        self.idx = key_idx  # [n_c, W]
+        self.valid = None if all_valid else valid
+        n_c, w = self.idx.shape
+        self.q = q[:, lo:hi].to(ct).reshape(b, n_c, hkv, groups, d)
+        flat_idx = self.idx.reshape(-1)
+        self.k = k.index_select(1, flat_idx).to(ct).reshape(b, n_c, w, hkv, d)
+        self.v = v.index_select(1, flat_idx).to(ct).reshape(b, n_c, w, hkv, v.shape[-1])
+        self.rel = rel
+        self.scale = scale
+        self.rpb = rpb
+        self.shape = (b, n_c, hkv, groups, w)
+
+    def logits(self):
+        s = torch.einsum("bnkgd,bnwkd->bnkgw", self.q, self.k) * self.scale
+        if self.rpb is not None:
+            b, n_c, hkv, groups, w = self.shape
+            bias = self.rpb.flatten(1).to(s.dtype)[:, self.rel]  # [H, n_c, W]
+            s = s + bias.reshape(hkv, groups, n_c, w).permute(2, 0, 1, 3).unsqueeze(0)
+        if self.valid is not None:
+            s = s.masked_fill(~self.valid[None, :, None, None, :], float("-inf"))
+        return s
+
+
+def _forward(q, k, v, params, rpb, scale):
+    """Returns out [B, N, Hq, Dv] (input dtype) and lse [B, N, Hq] (compute dtype); flat spatial."""
+    b, n, hq, d = q.shape
+    hkv, dv = k.shape[2], v.shape[-1]
+    groups = hq // hkv
+    ct = _compute_dtype(q.dtype)
+    out = torch.empty(b, n, hq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, n, hq, dtype=ct, device=q.device)
+    step = _chunk_size(b, params.window_size, hkv, max(d, dv), torch.finfo(ct).bits // 8)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        c = _Chunk(q, k, v, rpb, params, lo, hi, scale, groups)
+        s = c.logits()
+        m = torch.logsumexp(s, dim=-1)  # [b, n_c, hkv, g]
+        p = torch.exp(s - m.unsqueeze(-1))
+        o = torch.einsum("bnkgw,bnwkd->bnkgd", p, c.v)
+        out[:, lo:hi] = o.reshape(b, hi - lo, hq, dv).to(q.dtype)
+        lse[:, lo:hi] = m.reshape(b, hi - lo, hq)
+    return out, lse
+
+
+def _backward(q, k, v, params, rpb, scale, out, lse, d_out, d_lse):
+    b, n, hq, d = q.shape
+    hkv, dv = k.shape[2], v.shape[-1]
+    groups = hq // hkv
+    ct = _compute_dtype(q.dtype)
+    dq = torch.empty(b, n, hq, d, dtype=ct, device=q.device)
+    dk = torch.zeros(b, n, hkv, d, dtype=ct, device=q.device)
+    dv_ = torch.zeros(b, n, hkv, dv, dtype=ct, device=q.device)
+    drpb = torch.zeros(hq, rpb[0].numel(), dtype=ct, device=q.device) if rpb is not None else None
+    # delta_i = sum_j P_ij dP_ij = rowsum(dO * O) - dlse_i  (the lse gradient enters through dS = P*(dP - delta))
+    delta = (d_out.to(ct) * out.to(ct)).sum(-1)
+    if d_lse is not None:
+        delta = delta - d_lse.to(ct)
+    step = _chunk_size(b, params.window_size, hkv, max(d, dv), torch.finfo(ct).bits // 8)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        n_c = hi - lo
+        c = _Chunk(q, k, v, rpb, params, lo, hi, scale, groups)
+        s = c.logits()
+        p = torch.exp(s - lse[:, lo:hi].reshape(b, n_c, hkv, groups, 1))
+        do = d_out[:, lo:hi].to(ct).reshape(b, n_c, hkv, groups, dv)
+        dp = torch.einsum("bnkgd,bnwkd->bnkgw", do, c.v)
+        ds = p * (dp - delta[:, lo:hi].reshape(b, n_c, hkv, groups, 1))
+        dq[:, lo:hi] = (torch.einsum("bnkgw,bnwkd->bnkgd", ds, c.k) * scale).reshape(b, n_c, hq, d)
+        dk_g = torch.einsum("bnkgw,bnkgd->bnwkd", ds, c.q) * scale
+        dv_g = torch.einsum("bnkgw,bnkgd->bnwkd", p, do)
+        flat = c.idx.reshape(-1)
+        dk.index_add_(1, flat, dk_g.reshape(b, -1, hkv, d))
+        dv_.index_add_(1, flat, dv_g.reshape(b, -1, hkv, dv))
+        if drpb is not None:
+            # ds: [b, n_c, hkv, g, W] -> per query head and relative index
+            ds_h = ds.sum(0).permute(1, 2, 0, 3).reshape(hq, -1)  # [Hq, n_c * W]
+            drpb.index_add_(1, c.rel.reshape(-1), ds_h)
+    return dq, dk, dv_, drpb
+
+
+class _NaiveAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rpb, params, scale):
+        out, lse = _forward(q, k, v, params, rpb, scale)
+        ctx.save_for_backward(q, k, v, rpb, out, lse)
+        ctx.params, ctx.scale = params, scale
+        ctx.mark_non_differentiable()
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out, d_lse):
+        q, k, v, rpb, out, lse = ctx.saved_tensors
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        dq, dk, dv, drpb = _backward(q, k, v, ctx.params, rpb, ctx.scale, out, lse, d_out, d_lse)
+        if drpb is not None:
+            drpb = drpb.reshape(rpb.shape).to(rpb.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), drpb, None, None
+
+
+class NaiveBackend:
+    name = "naive"
+
+    def unsupported(self, problem) -> str | None:
+        return None  # any device, any dtype, every window rule
+
+    def attention(self, q, k, v, params: NAParams, rpb, scale):
+        b, hq, hkv = q.shape[0], q.shape[-2], k.shape[-2]
+        n = params.num_tokens
+        flat = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1])  # noqa: E731
+        out, lse = _NaiveAttention.apply(flat(q), flat(k), flat(v), rpb, params, scale)
+        spatial = q.shape[1:-2]
+        return out.reshape(b, *spatial, hq, v.shape[-1]), lse.reshape(b, *spatial, hq)
+
+
+BACKEND = NaiveBackend()
