@@ -1,0 +1,150 @@
+"""Building blocks shared by NAT, DiNAT and DiNAT_s (channels-last ``[B, H, W, C]`` throughout).
+
+Module and parameter names follow the official SHI-Labs checkpoints (``norm1``, ``attn.qkv``,
+``attn.rpb``, ``attn.proj``, ``norm2``, ``mlp.fc1``, ``mlp.fc2``, ``gamma1``, ``gamma2``), so those
+state dicts load without renaming.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from timm.layers import DropPath, Mlp, trunc_normal_
+from torch import nn
+
+import ops
+from ops.functional import neighborhood_attention
+
+DILATION_MODES = ("clamp", "pad")
+
+
+def fit_window(spatial: Sequence[int], kernel_size: Sequence[int], dilation: Sequence[int], mode: str):
+    """Dilation to use and the size to pad to, per axis, for a feature map of size ``spatial``.
+
+    ``mode='clamp'``: an axis with ``L < K * d`` runs with dilation ``max(1, L // K)`` (so
+    ``K * d <= L``); ``mode='pad'``: the dilation is kept and the axis is zero-padded to ``K * d``
+    (what the official NAT / DiNAT code does through NATTEN's module).  In both modes an axis
+    shorter than the kernel itself is zero-padded to ``K``.
+    """
+    if mode not in DILATION_MODES:
+        raise ValueError(f"dilation_mode: expected one of {DILATION_MODES}, got {mode!r}")
+    dilations, padded = [], []
+    for L, K, d in zip(spatial, kernel_size, dilation):
+        if mode == "clamp":
+            d = max(1, min(d, L // K))
+        dilations.append(d)
+        padded.append(max(L, K * d))
+    return tuple(dilations), tuple(padded)
+
+
+class NeighborhoodAttention2D(ops.NeighborhoodAttention2D):
+    """``ops.NeighborhoodAttention2D`` whose window adapts to feature maps smaller than it.
+
+    The official models are trained at 224 (or 384); at other input sizes a stage may be smaller
+    than ``kernel_size * dilation``.  See :func:`fit_window` for what happens then.  Padded
+    tokens are zeros (the input here is already normalised), attend and are attended like the
+    official implementation, and are cropped off the output.
+    """
+
+    def __init__(self, *args, dilation_mode: str = "clamp", **kwargs):
+        super().__init__(*args, **kwargs)
+        fit_window((1,) * self.rank, self.kernel_size, self.dilation, dilation_mode)  # validates the mode
+        self.dilation_mode = dilation_mode
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", dilation_mode={self.dilation_mode!r}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[-1] != self.dim:
+            raise ValueError(f"x: expected [B, H, W, {self.dim}], got {tuple(x.shape)}")
+        H, W = x.shape[1], x.shape[2]
+        dilation, (Hp, Wp) = fit_window((H, W), self.kernel_size, self.dilation, self.dilation_mode)
+        if (Hp, Wp) != (H, W):
+            x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))
+        if dilation == self.dilation:
+            out = super().forward(x)
+        else:
+            out = self._forward_dilated(x, dilation)
+        if (Hp, Wp) != (H, W):
+            out = out[:, :H, :W]
+        return out
+
+    def _forward_dilated(self, x: torch.Tensor, dilation: tuple[int, int]) -> torch.Tensor:
+        """Same computation as the parent's forward, with a per-call (clamped) dilation."""
+        if self.training and self.attn_drop.p > 0:
+            raise ValueError(
+                f"dilation: attention dropout needs the configured dilation {self.dilation}, but the input "
+                f"{tuple(x.shape[1:3])} only admits {dilation}; train at a larger input or with dilation_mode='pad'"
+            )
+        B, H, W, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, H, W, 3, self.num_heads, self.head_dim).unbind(-3)
+        out = neighborhood_attention(2, q, k, v, self.kernel_size, self.stride, dilation, self.is_causal,
+                                     rpb=self.rpb, backend=self.backend)
+        return self.proj_drop(self.proj(out.reshape(B, H, W, self.dim)))
+
+
+class NATBlock(nn.Module):
+    """Pre-norm transformer block with neighborhood attention (official ``NATLayer``).
+
+    ``x + DropPath(gamma1 * attn(norm1(x)))`` then ``x + DropPath(gamma2 * mlp(norm2(x)))``;
+    ``gamma1``/``gamma2`` exist only when ``layer_scale`` is set.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        kernel_size: int = 7,
+        dilation: int = 1,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        layer_scale: float | None = None,
+        act_layer=nn.GELU,
+        norm_layer=nn.LayerNorm,
+        dilation_mode: str = "clamp",
+        backend: str | None = None,
+    ):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = NeighborhoodAttention2D(
+            dim, num_heads, kernel_size, dilation=dilation, qkv_bias=qkv_bias, rel_pos_bias=True,
+            attn_drop=attn_drop, proj_drop=proj_drop, backend=backend, dilation_mode=dilation_mode,
+        )
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
+        self.layer_scale = layer_scale is not None
+        if self.layer_scale:
+            self.gamma1 = nn.Parameter(layer_scale * torch.ones(dim))
+            self.gamma2 = nn.Parameter(layer_scale * torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.attn(self.norm1(x))
+        x = x + self.drop_path(self.gamma1 * y if self.layer_scale else y)
+        y = self.mlp(self.norm2(x))
+        return x + self.drop_path(self.gamma2 * y if self.layer_scale else y)
+
+
+def stage_dilations(depths: Sequence[int], dilations) -> list[list[int]]:
+    """Per-block dilations (``None`` = 1 everywhere); checks one list per stage, one entry per block."""
+    if dilations is None:
+        return [[1] * d for d in depths]
+    if len(dilations) != len(depths) or any(len(ds) != d for ds, d in zip(dilations, depths)):
+        raise ValueError(f"dilations: expected one list per stage with one entry per block {list(depths)}, "
+                         f"got {dilations!r}")
+    return [list(ds) for ds in dilations]
+
+
+def init_weights(module: nn.Module) -> None:
+    """Official init: trunc-normal(0.02) Linear weights, zero biases, LayerNorm 1/0 (convs keep torch's)."""
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
