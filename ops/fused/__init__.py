@@ -1,0 +1,52 @@
+"""Backend ``fused``: flash-style neighborhood attention in Triton (forward and backward).
+
+Query tiles are N-D boxes (e.g. 8x16 in 2-D, 2x8x8 in 3-D) in dilation-group coordinates; each
+program visits only the key/value tiles covering the union of its queries' windows, masks only
+tiles partly outside a window, and keeps the attention weights on chip (online softmax, lse).
+The backward computes dQ the same way, dK/dV by looping each key/value tile over the query tiles
+whose windows reach it (the inverse neighborhood), and dRPB in a separate pass (deterministic by
+default).  Kernels: ``kernels.py``; window formulas: ``window_jit.py``; host side: ``launch.py``;
+tile choice and autotuning: ``tiles.py`` / ``autotune.py``; torch.library ops: ``op.py``.
+
+Runs on CUDA tensors, and on any tensor under ``TRITON_INTERPRET=1`` (Triton's interpreter, for
+tests on CPU).  float16, bfloat16, float32 (matmuls in tf32); head dims up to 256.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import kernels, op
+from ..window import NAParams
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def interpreted() -> bool:
+    """True when the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(kernels.na_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+class FusedBackend:
+    name = "fused"
+
+    def unsupported(self, problem) -> str | None:
+        if problem.device.type != "cuda" and not interpreted():
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                return ("the fused kernels were imported before TRITON_INTERPRET=1 was set, so they are compiled "
+                        "for CUDA; set it before importing ops.fused to run them on CPU")
+            return (f"needs CUDA tensors (Triton GPU kernels), got device {problem.device}; set TRITON_INTERPRET=1 "
+                    "before importing ops.fused to run the kernels through Triton's (slow) interpreter on CPU")
+        if problem.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {problem.dtype} not supported (float16, bfloat16, float32; use naive for float64)"
+        if max(problem.head_dim, problem.value_dim) > MAX_HEAD_DIM:
+            return f"head dim {max(problem.head_dim, problem.value_dim)} > {MAX_HEAD_DIM} (register budget)"
+        return None
+
+    def attention(self, q, k, v, params: NAParams, rpb, scale):
+        return op.attention(q, k, v, params, rpb, scale)
+
+
+BACKEND = FusedBackend()

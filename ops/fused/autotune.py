@@ -1,0 +1,182 @@
+"""Kernel configurations: a defaults table, an optional autotuner, and its on-disk cache.
+
+A configuration is (outer tile size, inner tile size, num_warps, num_stages); the N-D tile shapes
+follow from the problem through ``tiles.choose_tiles``.  Lookup order for a problem:
+
+1. the in-memory / on-disk cache (JSON at ``$NAMODELS_FUSED_CACHE``, default
+   ``~/.cache/namodels/fused_tuning.json``), keyed by kernel, rank, sizes, window, dtype, head
+   dims, heads, batch, RPB and device name;
+2. if tuning is on (``NAMODELS_FUSED_AUTOTUNE=1`` or ``set_autotune(True)``) and the inputs are on
+   a GPU: time every candidate of the kernel on the real inputs (median of
+   ``triton.testing.do_bench``), keep the fastest, write it to the cache;
+3. otherwise the defaults table (by kernel and head dim).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .tiles import axes_of, choose_tiles, total_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Outer x inner tile (matmul rows x columns for fwd/dq; columns x rows for dkdv)."""
+
+    outer: int
+    inner: int
+    num_warps: int
+    num_stages: int
+
+
+# kernel -> list of (max head dim, default config); the first entry whose bound covers the head dim wins.
+DEFAULTS: dict[str, list[tuple[int, Config]]] = {
+    "fwd": [(64, Config(128, 64, 4, 3)), (128, Config(128, 64, 8, 3)), (256, Config(64, 32, 4, 2))],
+    "dq": [(64, Config(64, 64, 4, 2)), (128, Config(64, 64, 4, 2)), (256, Config(32, 32, 4, 1))],
+    "dkdv": [(64, Config(64, 64, 4, 2)), (128, Config(64, 64, 8, 2)), (256, Config(32, 32, 4, 1))],
+    "drpb": [(256, Config(64, 1, 4, 1))],
+}
+
+# Candidates the tuner times (besides the default).
+CANDIDATES: dict[str, list[Config]] = {
+    "fwd": [Config(128, 64, 4, 3), Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3),
+            Config(128, 32, 4, 3), Config(64, 32, 4, 2)],
+    "dq": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
+           Config(128, 32, 8, 2)],
+    "dkdv": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
+             Config(128, 32, 8, 2)],
+    "drpb": [Config(64, 1, 4, 1), Config(32, 1, 4, 1), Config(128, 1, 8, 1)],
+}
+
+_lock = threading.Lock()
+_cache: dict[str, dict] | None = None
+_tune_override: bool | None = None
+
+
+def set_autotune(enabled: bool | None) -> None:
+    """Turns tuning on/off for this process (``None``: follow ``NAMODELS_FUSED_AUTOTUNE``)."""
+    global _tune_override
+    _tune_override = enabled
+
+
+def autotune_enabled() -> bool:
+    if _tune_override is not None:
+        return _tune_override
+    return os.environ.get("NAMODELS_FUSED_AUTOTUNE", "0") == "1"
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("NAMODELS_FUSED_CACHE", Path.home() / ".cache" / "namodels" / "fused_tuning.json"))
+
+
+def _load() -> dict[str, dict]:
+    global _cache
+    if _cache is None:
+        try:
+            _cache = json.loads(cache_path().read_text())
+        except (OSError, ValueError):
+            _cache = {}
+    return _cache
+
+
+def _store(key: str, entry: dict) -> None:
+    with _lock:
+        cache = _load()
+        cache[key] = entry
+        path = cache_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError as err:  # a read-only home must not break the kernels
+            log.warning("fused autotune: cannot write %s: %s", path, err)
+
+
+def problem_key(kernel: str, q, k, v, params, has_rpb: bool) -> str:
+    import torch
+
+    device = torch.cuda.get_device_name(q.device) if q.is_cuda else str(q.device)
+    return "|".join(
+        str(x)
+        for x in (
+            kernel, params.rank, params.spatial, params.kernel_size, params.stride, params.dilation,
+            params.is_causal, str(q.dtype).replace("torch.", ""), q.shape[-1], v.shape[-1], q.shape[-2],
+            k.shape[-2], q.shape[0], int(has_rpb), device,
+        )
+    )
+
+
+def default_config(kernel: str, head_dim: int) -> Config:
+    for bound, cfg in DEFAULTS[kernel]:
+        if head_dim <= bound:
+            return cfg
+    return DEFAULTS[kernel][-1][1]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A resolved configuration: N-D tiles plus pipeline settings."""
+
+    outer_tile: tuple[int, int, int]
+    inner_tile: tuple[int, int, int]
+    num_warps: int
+    num_stages: int
+
+
+def resolve(cfg: Config, params) -> Launch:
+    """N-D tile shapes for a configuration (padded to 3 axes, leading dummy axes of size 1)."""
+    axes = axes_of(params)
+    tokens = 1
+    for a in axes:
+        tokens *= a.Lg
+    outer_size = total_size(tokens, cfg.outer)
+    if cfg.inner == 1:  # kernels without an inner tile (drpb)
+        outer, inner = choose_tiles(axes, outer_size, 1)
+    else:
+        outer, inner = choose_tiles(axes, outer_size, total_size(tokens, cfg.inner))
+    pad = (1,) * (3 - len(axes))
+    return Launch(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages)
+
+
+def pick(kernel: str, q, k, v, params, has_rpb: bool, run) -> Launch:
+    """Configuration for one kernel launch; ``run(launch)`` executes the kernel once (for tuning)."""
+    key = problem_key(kernel, q, k, v, params, has_rpb)
+    entry = _load().get(key)
+    if entry is not None:
+        return Launch(tuple(entry["outer_tile"]), tuple(entry["inner_tile"]), entry["num_warps"], entry["num_stages"])
+    if autotune_enabled() and q.is_cuda:
+        launch = _tune(kernel, q, params, run, key)
+        if launch is not None:
+            return launch
+    return resolve(default_config(kernel, max(q.shape[-1], v.shape[-1])), params)
+
+
+def _tune(kernel, q, params, run, key):
+    import triton.testing
+
+    seen, results = set(), []
+    default = default_config(kernel, q.shape[-1])  # head dim of q/k sets the register budget
+    for cfg in [default] + CANDIDATES[kernel]:
+        launch = resolve(cfg, params)
+        if launch in seen:
+            continue
+        seen.add(launch)
+        try:
+            ms = triton.testing.do_bench(lambda: run(launch), warmup=10, rep=40, return_mode="median")
+        except Exception as err:  # e.g. out of shared memory for this shape: skip the candidate
+            log.debug("fused autotune %s: %s failed: %s", kernel, launch, err)
+            continue
+        results.append((ms, launch))
+    if not results:
+        return None
+    ms, best = min(results, key=lambda r: r[0])
+    log.info("fused autotune %s: %s -> %.4f ms (%d candidates)", key, best, ms, len(results))
+    _store(key, {**asdict(best), "ms": ms})
+    return best

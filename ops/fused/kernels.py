@@ -1,0 +1,486 @@
+"""Triton kernels of the fused NA backend: forward, dQ, dK/dV and dRPB.
+
+Conventions shared by every kernel (see ``ops/fused/launch.py`` for the host side):
+
+* Every problem is run as 3-D: a 1-D or 2-D problem gets leading axes of length 1 (kernel 1,
+  stride 1, dilation 1).  ``ACT0`` / ``ACT1`` say whether axes 0 / 1 are real, so a 1-D problem
+  pays no mask arithmetic for its dummy axes.  Axis 2 is always real.
+* Tensors are heads-last ``[B, N, H, D]`` with a unit last stride; a token's offset is
+  ``flat_index * stride_token`` computed in int64 (offsets past 2**31 elements are fine).
+* Tiles are N-D boxes in *dilation-group* coordinates: a program owns one dilation group per axis
+  (``i = i' * d + g``), so a dilated problem has exactly the work of an undilated one of the same
+  size.  A query tile has shape ``(T0, T1, T2)``, a key/value tile ``(U0, U1, U2)``; each side is a
+  power of two and the flattened tile is row-major.
+* Window start and stop are monotone in the query index (inside a group), so the keys a query
+  tile needs are the box ``[start(first), stop(last))`` per axis, and the keys every query of the
+  tile needs are ``[start(last), stop(first))``.  The loops visit only the KV tiles covering the
+  first box; a tile inside the second box needs no mask (the common case for large windows).
+* Softmax runs in base 2: logits are multiplied by ``scale * log2(e)`` (RPB by ``log2(e)``);
+  ``lse`` is stored in natural log.
+"""
+import triton
+import triton.language as tl
+
+from .window_jit import first_query_reaching, group_length, last_query_reaching, window_start, window_stop
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _decode_program(pid, NT0, NT1, NT2, D0, D1, D2):
+    """Program index -> (group, tile index) per axis.  Tiles of one group are adjacent (L2 reuse)."""
+    c2 = NT2 * D2
+    c1 = NT1 * D1
+    p2 = pid % c2
+    rest = pid // c2
+    p1 = rest % c1
+    p0 = rest // c1
+    return p0 // NT0, p0 % NT0, p1 // NT1, p1 % NT1, p2 // NT2, p2 % NT2
+
+
+@triton.jit
+def _tile_coords(T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr):
+    """Per-axis coordinates of the rows of a row-major (T0, T1, T2) tile."""
+    r = tl.arange(0, T0 * T1 * T2)
+    return r // (T1 * T2), (r // T2) % T1, r % T2
+
+
+@triton.jit
+def _axis_rows(first, r, Lg, K, s, CAUSAL: tl.constexpr):
+    """Window of each row of a tile on one axis: (valid, clamped coord, start, stop).
+
+    Rows past the group end are clamped to its last query so their windows stay in bounds; the
+    callers mask their results out.
+    """
+    qi = first + r
+    qc = tl.minimum(qi, Lg - 1)
+    start = window_start(qc, Lg, K, s, CAUSAL)
+    stop = window_stop(qc, start, K, CAUSAL)
+    return qi < Lg, qc, start, stop
+
+
+@triton.jit
+def _axis_span(first, T, Lg, K, s, CAUSAL: tl.constexpr):
+    """Union ``[lo, hi)`` and intersection ``[in_lo, in_hi)`` of the windows of queries
+    ``first .. min(first + T, Lg) - 1`` on one axis (an empty tile gets an empty union)."""
+    last = tl.minimum(first + T, Lg) - 1
+    a_first = window_start(first, Lg, K, s, CAUSAL)
+    b_first = window_stop(first, a_first, K, CAUSAL)
+    a_last = window_start(last, Lg, K, s, CAUSAL)
+    b_last = window_stop(last, a_last, K, CAUSAL)
+    hi = tl.where(last >= first, b_last, a_first)
+    return a_first, hi, a_last, b_first
+
+
+@triton.jit
+def _flat_token(c0, c1, c2, g0, g1, g2, D0, D1, D2, L1, L2):
+    """Flat (row-major) token index, int64, of group coordinates (c0, c1, c2)."""
+    return ((c0.to(tl.int64) * D0 + g0) * L1 + (c1 * D1 + g1)) * L2 + (c2 * D2 + g2)
+
+
+@triton.jit
+def _window_mask(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2,
+                 ACT0: tl.constexpr, ACT1: tl.constexpr):
+    """[rows, cols] mask: column key inside the row query's window on every real axis."""
+    m = (kj2[None, :] >= start2[:, None]) & (kj2[None, :] < stop2[:, None])
+    if ACT1:
+        m = m & (kj1[None, :] >= start1[:, None]) & (kj1[None, :] < stop1[:, None])
+    if ACT0:
+        m = m & (kj0[None, :] >= start0[:, None]) & (kj0[None, :] < stop0[:, None])
+    return m
+
+
+@triton.jit
+def _is_partial(k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, ACT0: tl.constexpr, ACT1: tl.constexpr):
+    """True unless the KV box starting at (k0, k1, k2) lies inside every query's window."""
+    partial = (k2 < in_lo2) | (k2 + U2 > in_hi2)
+    if ACT1:
+        partial = partial | (k1 < in_lo1) | (k1 + U1 > in_hi1)
+    if ACT0:
+        partial = partial | (k0 < in_lo0) | (k0 + U0 > in_hi0)
+    return partial
+
+
+@triton.jit
+def _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2):
+    """[rows, cols] flat index into rpb[h] of (query, key): the relative offset per axis is
+    ``j' - i' + K - 1``; it splits into a row term and a column term.  Clamped so that pairs
+    outside the window (masked afterwards) still read in bounds."""
+    w1 = 2 * K1 - 1
+    w2 = 2 * K2 - 1
+    col = (kj0 * w1 + kj1) * w2 + kj2
+    row = ((K0 - 1 - qc0) * w1 + (K1 - 1 - qc1)) * w2 + (K2 - 1 - qc2)
+    idx = row[:, None] + col[None, :]
+    return tl.minimum(tl.maximum(idx, 0), (2 * K0 - 1) * w1 * w2 - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def na_fwd_kernel(
+    Q, Kp, V, RPB, O, LSE,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, slb, slt,
+    HQ, GROUP, HEAD_DIM, VALUE_DIM, qk_scale,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2,
+    CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
+    ACT0: tl.constexpr, ACT1: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+    U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr,
+):
+    g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+
+    Lg0 = group_length(L0, D0, g0)
+    Lg1 = group_length(L1, D1, g1)
+    Lg2 = group_length(L2, D2, g2)
+    r0, r1, r2 = _tile_coords(T0, T1, T2)
+    ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
+    ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
+    ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
+    q_ok = ok0 & ok1 & ok2
+    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2)
+    lo0, hi0, in_lo0, in_hi0 = _axis_span(tile0 * T0, T0, Lg0, K0, S0, CAUSAL0)
+    lo1, hi1, in_lo1, in_hi1 = _axis_span(tile1 * T1, T1, Lg1, K1, S1, CAUSAL1)
+    lo2, hi2, in_lo2, in_hi2 = _axis_span(tile2 * T2, T2, Lg2, K2, S2, CAUSAL2)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < VALUE_DIM
+    q_base = b.to(tl.int64) * sqb + h * sqh
+    q = tl.load(Q + q_base + q_tok[:, None] * sqt + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = b.to(tl.int64) * skb + hk * skh
+    v_base = b.to(tl.int64) * svb + hk * svh
+    c0, c1, c2 = _tile_coords(U0, U1, U2)
+
+    m_i = tl.full([T0 * T1 * T2], float("-inf"), tl.float32)
+    l_i = tl.zeros([T0 * T1 * T2], tl.float32)
+    acc = tl.zeros([T0 * T1 * T2, BLOCK_DV], tl.float32)
+
+    n0 = tl.cdiv(hi0 - lo0, U0)
+    n1 = tl.cdiv(hi1 - lo1, U1)
+    n2 = tl.cdiv(hi2 - lo2, U2)
+    for t in range(0, n0 * n1 * n2):
+        t2 = t % n2
+        t01 = t // n2
+        k0 = lo0 + (t01 // n1) * U0
+        k1 = lo1 + (t01 % n1) * U1
+        k2 = lo2 + t2 * U2
+        kj0 = k0 + c0
+        kj1 = k1 + c1
+        kj2 = k2 + c2
+        k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
+        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2)
+        k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if HAS_RPB:
+            ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
+            s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
+        if _is_partial(k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, U0, U1, U2, ACT0, ACT1):
+            mask = _window_mask(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1)
+            s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing admitted yet
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_base = b.to(tl.int64) * sob + h * soh
+    tl.store(O + o_base + q_tok[:, None] * sot + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=q_ok[:, None] & dv_ok[None, :])
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    tl.store(LSE + b.to(tl.int64) * slb + q_tok * slt + h, lse.to(LSE.dtype.element_ty), mask=q_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: dQ (loops over KV tiles like the forward)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def na_bwd_dq_kernel(
+    Q, Kp, V, RPB, DO, LSE, DELTA, DQ,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt,
+    HQ, GROUP, HEAD_DIM, VALUE_DIM, qk_scale, scale,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2,
+    CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
+    ACT0: tl.constexpr, ACT1: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+    U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr,
+):
+    # dQ and dO share q's strides (sqb, sqt, sqh) and dO's (sdb, sdt, sdh); lse and delta share (slb, slt).
+    g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+
+    Lg0 = group_length(L0, D0, g0)
+    Lg1 = group_length(L1, D1, g1)
+    Lg2 = group_length(L2, D2, g2)
+    r0, r1, r2 = _tile_coords(T0, T1, T2)
+    ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
+    ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
+    ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
+    q_ok = ok0 & ok1 & ok2
+    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2)
+    lo0, hi0, in_lo0, in_hi0 = _axis_span(tile0 * T0, T0, Lg0, K0, S0, CAUSAL0)
+    lo1, hi1, in_lo1, in_hi1 = _axis_span(tile1 * T1, T1, Lg1, K1, S1, CAUSAL1)
+    lo2, hi2, in_lo2, in_hi2 = _axis_span(tile2 * T2, T2, Lg2, K2, S2, CAUSAL2)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < VALUE_DIM
+    q_base = b.to(tl.int64) * sqb + h * sqh
+    q = tl.load(Q + q_base + q_tok[:, None] * sqt + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+    do_base = b.to(tl.int64) * sdb + h * sdh
+    do = tl.load(DO + do_base + q_tok[:, None] * sdt + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :],
+                 other=0.0)
+    l_off = b.to(tl.int64) * slb + q_tok * slt + h
+    lse2 = tl.load(LSE + l_off, mask=q_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    delta = tl.load(DELTA + l_off, mask=q_ok, other=0.0).to(tl.float32)
+    k_base = b.to(tl.int64) * skb + hk * skh
+    v_base = b.to(tl.int64) * svb + hk * svh
+    c0, c1, c2 = _tile_coords(U0, U1, U2)
+    dq = tl.zeros([T0 * T1 * T2, BLOCK_D], tl.float32)
+
+    n0 = tl.cdiv(hi0 - lo0, U0)
+    n1 = tl.cdiv(hi1 - lo1, U1)
+    n2 = tl.cdiv(hi2 - lo2, U2)
+    for t in range(0, n0 * n1 * n2):
+        t2 = t % n2
+        t01 = t // n2
+        k0 = lo0 + (t01 // n1) * U0
+        k1 = lo1 + (t01 % n1) * U1
+        k2 = lo2 + t2 * U2
+        kj0 = k0 + c0
+        kj1 = k1 + c1
+        kj2 = k2 + c2
+        k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
+        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2)
+        k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if HAS_RPB:
+            ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
+            s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
+        p = tl.math.exp2(s - lse2[:, None])
+        if _is_partial(k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, U0, U1, U2, ACT0, ACT1):
+            mask = _window_mask(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1)
+            p = tl.where(mask, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+
+    dq = dq * scale
+    tl.store(DQ + q_base + q_tok[:, None] * sqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=q_ok[:, None] & d_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: dK, dV (each KV tile loops over the query tiles whose windows reach it)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def na_bwd_dkdv_kernel(
+    Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt,
+    HKV, GROUP, HEAD_DIM, VALUE_DIM, qk_scale, scale,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NU0, NU1, NU2,
+    CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
+    ACT0: tl.constexpr, ACT1: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+    U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr,
+):
+    # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
+    # dK/dV share k/v's strides.  GQA: the query heads of this kv head are summed in the same loop.
+    g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NU0, NU1, NU2, D0, D1, D2)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    hk = bh % HKV
+
+    Lg0 = group_length(L0, D0, g0)
+    Lg1 = group_length(L1, D1, g1)
+    Lg2 = group_length(L2, D2, g2)
+    c0, c1, c2 = _tile_coords(U0, U1, U2)
+    k0 = tile0 * U0
+    k1 = tile1 * U1
+    k2 = tile2 * U2
+    kj0 = k0 + c0
+    kj1 = k1 + c1
+    kj2 = k2 + c2
+    k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
+    k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < VALUE_DIM
+    k_base = b.to(tl.int64) * skb + hk * skh
+    v_base = b.to(tl.int64) * svb + hk * svh
+    k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+
+    # Inverse neighborhood: queries whose windows reach any key of this tile, per axis.
+    ql0 = first_query_reaching(k0, Lg0, K0, S0, CAUSAL0)
+    qh0 = last_query_reaching(tl.minimum(k0 + U0, Lg0) - 1, Lg0, K0, S0, CAUSAL0) + 1
+    ql1 = first_query_reaching(k1, Lg1, K1, S1, CAUSAL1)
+    qh1 = last_query_reaching(tl.minimum(k1 + U1, Lg1) - 1, Lg1, K1, S1, CAUSAL1) + 1
+    ql2 = first_query_reaching(k2, Lg2, K2, S2, CAUSAL2)
+    qh2 = last_query_reaching(tl.minimum(k2 + U2, Lg2) - 1, Lg2, K2, S2, CAUSAL2) + 1
+    n0 = tl.cdiv(tl.maximum(qh0 - ql0, 0), T0)
+    n1 = tl.cdiv(tl.maximum(qh1 - ql1, 0), T1)
+    n2 = tl.cdiv(tl.maximum(qh2 - ql2, 0), T2)
+    n_tiles = n0 * n1 * n2
+
+    r0, r1, r2 = _tile_coords(T0, T1, T2)
+    dk = tl.zeros([U0 * U1 * U2, BLOCK_D], tl.float32)
+    dv = tl.zeros([U0 * U1 * U2, BLOCK_DV], tl.float32)
+    for t in range(0, GROUP * n_tiles):
+        h = hk * GROUP + t // n_tiles
+        tt = t % n_tiles
+        t2 = tt % n2
+        t01 = tt // n2
+        q0 = ql0 + (t01 // n1) * T0
+        q1 = ql1 + (t01 % n1) * T1
+        q2 = ql2 + t2 * T2
+        ok0, qc0, start0, stop0 = _axis_rows(q0, r0, Lg0, K0, S0, CAUSAL0)
+        ok1, qc1, start1, stop1 = _axis_rows(q1, r1, Lg1, K1, S1, CAUSAL1)
+        ok2, qc2, start2, stop2 = _axis_rows(q2, r2, Lg2, K2, S2, CAUSAL2)
+        q_ok = ok0 & ok1 & ok2
+        q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2)
+        q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + q_tok[:, None] * sqt + offs_d[None, :],
+                    mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+        do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + q_tok[:, None] * sdt + offs_dv[None, :],
+                     mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
+        l_off = b.to(tl.int64) * slb + q_tok * slt + h
+        # Rows past the group end get lse = +inf: probability 0, so they add nothing to dK/dV.
+        lse2 = tl.load(LSE + l_off, mask=q_ok, other=float("inf")).to(tl.float32) * 1.4426950408889634
+        delta = tl.load(DELTA + l_off, mask=q_ok, other=0.0).to(tl.float32)
+
+        st = tl.dot(k, tl.trans(q)) * qk_scale  # [keys, queries]
+        if HAS_RPB:
+            ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
+            bias = tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx)
+            st += tl.trans(bias) * 1.4426950408889634
+        pt = tl.math.exp2(st - lse2[None, :])
+        _, _, in_lo0, in_hi0 = _axis_span(q0, T0, Lg0, K0, S0, CAUSAL0)
+        _, _, in_lo1, in_hi1 = _axis_span(q1, T1, Lg1, K1, S1, CAUSAL1)
+        _, _, in_lo2, in_hi2 = _axis_span(q2, T2, Lg2, K2, S2, CAUSAL2)
+        if _is_partial(k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, U0, U1, U2, ACT0, ACT1):
+            mask = _window_mask(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1)
+            pt = tl.where(tl.trans(mask), pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do)
+        dpt = tl.dot(v, tl.trans(do))
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q)
+
+    dk = dk * scale
+    tl.store(DK + k_base + k_tok[:, None] * skt + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=k_ok[:, None] & d_ok[None, :])
+    tl.store(DV + v_base + k_tok[:, None] * svt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+             mask=k_ok[:, None] & dv_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: dRPB (one pass over relative offsets; per-program partial sums or atomics)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def na_bwd_drpb_kernel(
+    Q, Kp, V, RPB, DO, LSE, DELTA, DRPB,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt,
+    HQ, GROUP, HEAD_DIM, VALUE_DIM, qk_scale,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2,
+    CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ATOMIC: tl.constexpr,
+):
+    """dRPB[h, r] = sum over (b, query i) of dS(i, i + r) for every offset r in i's window.
+
+    For a fixed offset each query meets at most one key, so the pass walks the offsets the tile's
+    windows span and gathers one key row per query (row-wise dot products, no matrix unit).  With
+    ``ATOMIC`` the per-program sums are added into ``DRPB[h]``; otherwise each program writes its
+    own row ``DRPB[(b * HQ + h) * programs + pid]`` and the host sums them (deterministic).
+    """
+    pid = tl.program_id(0)
+    g0, tile0, g1, tile1, g2, tile2 = _decode_program(pid, NT0, NT1, NT2, D0, D1, D2)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    Lg0 = group_length(L0, D0, g0)
+    Lg1 = group_length(L1, D1, g1)
+    Lg2 = group_length(L2, D2, g2)
+    r0, r1, r2 = _tile_coords(T0, T1, T2)
+    ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
+    ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
+    ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
+    q_ok = ok0 & ok1 & ok2
+    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < VALUE_DIM
+    q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + q_tok[:, None] * sqt + offs_d[None, :],
+                mask=q_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + q_tok[:, None] * sdt + offs_dv[None, :],
+                 mask=q_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+    l_off = b.to(tl.int64) * slb + q_tok * slt + h
+    lse2 = tl.load(LSE + l_off, mask=q_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    delta = tl.load(DELTA + l_off, mask=q_ok, other=0.0).to(tl.float32)
+    k_base = b.to(tl.int64) * skb + hk * skh
+    v_base = b.to(tl.int64) * svb + hk * svh
+
+    # Offsets (key - query, group coordinates) spanned by the tile's windows, per axis.
+    big = 1 << 30
+    o_lo0 = tl.min(tl.where(q_ok, start0 - qc0, big), 0)
+    o_hi0 = tl.max(tl.where(q_ok, stop0 - qc0, -big), 0)
+    o_lo1 = tl.min(tl.where(q_ok, start1 - qc1, big), 0)
+    o_hi1 = tl.max(tl.where(q_ok, stop1 - qc1, -big), 0)
+    o_lo2 = tl.min(tl.where(q_ok, start2 - qc2, big), 0)
+    o_hi2 = tl.max(tl.where(q_ok, stop2 - qc2, -big), 0)
+    n0 = tl.maximum(o_hi0 - o_lo0, 0)
+    n1 = tl.maximum(o_hi1 - o_lo1, 0)
+    n2 = tl.maximum(o_hi2 - o_lo2, 0)
+    w1 = 2 * K1 - 1
+    w2 = 2 * K2 - 1
+    n_rel = (2 * K0 - 1) * w1 * w2
+    if ATOMIC:
+        out_base = h.to(tl.int64) * n_rel
+    else:
+        out_base = (bh.to(tl.int64) * tl.num_programs(0) + pid) * n_rel
+    for t in range(0, n0 * n1 * n2):
+        o2 = o_lo2 + t % n2
+        o1 = o_lo1 + (t // n2) % n1
+        o0 = o_lo0 + t // (n2 * n1)
+        kj0 = qc0 + o0
+        kj1 = qc1 + o1
+        kj2 = qc2 + o2
+        adm = q_ok & (kj0 >= start0) & (kj0 < stop0) & (kj1 >= start1) & (kj1 < stop1)
+        adm = adm & (kj2 >= start2) & (kj2 < stop2)
+        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2)
+        k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=adm[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=adm[:, None] & dv_ok[None, :],
+                    other=0.0).to(tl.float32)
+        rel = ((o0 + K0 - 1) * w1 + (o1 + K1 - 1)) * w2 + (o2 + K2 - 1)
+        bias = tl.load(RPB + h * n_rel + rel).to(tl.float32)
+        s = tl.sum(q * k, 1) * qk_scale + bias * 1.4426950408889634
+        p = tl.math.exp2(s - lse2)
+        dp = tl.sum(do * v, 1)
+        ds = tl.sum(tl.where(adm, p * (dp - delta), 0.0), 0)
+        if ATOMIC:
+            tl.atomic_add(DRPB + out_base + rel, ds)
+        else:
+            tl.store(DRPB + out_base + rel, ds)

@@ -1,0 +1,167 @@
+"""Host side of the fused kernels: shapes, strides, grids, configuration lookup, launches."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from . import autotune, kernels
+from ..window import NAParams
+
+# Deterministic dRPB writes one partial row per program; above this many bytes it uses atomics
+# instead (unless torch.use_deterministic_algorithms is on).
+DRPB_PARTIAL_BYTES = 64 * 1024 * 1024
+MAX_GRID_Y = 65535
+
+
+def _empty(shape, dtype, device):
+    """Output allocation (tests replace this with a NaN-filled one to catch unwritten elements)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _tokens(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, *spatial, H, D] -> [B, N, H, D] with unit last stride (a view when possible)."""
+    t = t.reshape(t.shape[0], n, t.shape[-2], t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _axes3(params: NAParams):
+    """Per-axis (L, K, s, d, causal) padded to 3 axes with leading dummy axes."""
+    pad = 3 - params.rank
+    L = (1,) * pad + params.spatial
+    K = (1,) * pad + params.kernel_size
+    S = (1,) * pad + params.stride
+    D = (1,) * pad + params.dilation
+    C = (False,) * pad + params.is_causal
+    return L, K, S, D, C
+
+
+def _window_args(params: NAParams, tile):
+    """Runtime window arguments plus tiles per group for an outer tile shape."""
+    L, K, S, D, _ = _axes3(params)
+    nt = [math.ceil(math.ceil(l / d) / t) for l, d, t in zip(L, D, tile)]
+    programs = math.prod(d * n for d, n in zip(D, nt))
+    return [*L, *K, *S, *D, *nt], programs
+
+
+def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, dv, has_rpb):
+    _, _, _, _, C = _axes3(params)
+    return dict(
+        CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
+        T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], U0=kv_tile[0], U1=kv_tile[1], U2=kv_tile[2],
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        HAS_RPB=has_rpb, num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+
+
+def _batch_chunks(batch: int, heads: int):
+    """Batch ranges whose B*H fits the grid's second dimension."""
+    step = max(1, MAX_GRID_Y // heads)
+    return [(lo, min(batch, lo + step)) for lo in range(0, batch, step)]
+
+
+def _strides(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _rpb_table(rpb, heads):
+    return rpb.detach().reshape(heads, -1).float().contiguous() if rpb is not None else None
+
+
+def forward(q, k, v, rpb, params: NAParams, scale: float):
+    """Returns ``out [B, *spatial, Hq, Dv]`` (input dtype) and ``lse [B, *spatial, Hq]`` (float32)."""
+    b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
+    d, dv = q.shape[-1], v.shape[-1]
+    q4, k4, v4 = _tokens(q, n), _tokens(k, n), _tokens(v, n)
+    out = _empty((b, n, hq, dv), q.dtype, q.device)
+    lse = _empty((b, n, hq), torch.float32, q.device)
+    table = _rpb_table(rpb, hq)
+
+    def run(launch: autotune.Launch):
+        window, programs = _window_args(params, launch.outer_tile)
+        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, table is not None)
+        for lo, hi in _batch_chunks(b, hq):
+            kernels.na_fwd_kernel[(programs, (hi - lo) * hq)](
+                q4[lo:hi], k4[lo:hi], v4[lo:hi], table if table is not None else q4, out[lo:hi], lse[lo:hi],
+                *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), lse.stride(0), lse.stride(1),
+                hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window, **meta,
+            )
+
+    run(autotune.pick("fwd", q, k, v, params, table is not None, run))
+    spatial = q.shape[1:-2]
+    return out.reshape(b, *spatial, hq, dv), lse.reshape(b, *spatial, hq)
+
+
+def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool):
+    """Gradients ``(dq, dk, dv, drpb)`` of ``(out, lse)``; ``drpb`` is ``None`` without RPB."""
+    b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
+    d, dv = q.shape[-1], v.shape[-1]
+    q4, k4, v4 = _tokens(q, n), _tokens(k, n), _tokens(v, n)
+    o4, do4 = _tokens(out, n), _tokens(d_out, n)
+    lse3 = lse.reshape(b, n, hq).float().contiguous()
+    # delta_i = sum_j P_ij dP_ij = rowsum(dO * O) - dlse_i: the lse gradient enters only here.
+    delta = (do4.float() * o4.float()).sum(-1)
+    if d_lse is not None:
+        delta = delta - d_lse.reshape(b, n, hq).float()
+    delta = delta.contiguous()
+    dq = _empty((b, n, hq, d), q.dtype, q.device)
+    dk = _empty((b, n, hkv, d), k.dtype, k.device)
+    dvv = _empty((b, n, hkv, dv), v.dtype, v.device)
+    table = _rpb_table(rpb, hq)
+    has_rpb = table is not None
+    rpb_arg = table if has_rpb else q4
+    common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
+
+    def run_dq(launch):
+        window, programs = _window_args(params, launch.outer_tile)
+        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb)
+        for lo, hi in _batch_chunks(b, hq):
+            kernels.na_bwd_dq_kernel[(programs, (hi - lo) * hq)](
+                q4[lo:hi], k4[lo:hi], v4[lo:hi], rpb_arg, do4[lo:hi], lse3[lo:hi], delta[lo:hi], dq[lo:hi],
+                *common, hq, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, **meta,
+            )
+
+    def run_dkdv(launch):
+        # outer tile = KV tile, inner tile = query tile
+        window, programs = _window_args(params, launch.outer_tile)
+        meta = _constexprs(params, launch, launch.inner_tile, launch.outer_tile, d, dv, has_rpb)
+        for lo, hi in _batch_chunks(b, hkv):
+            kernels.na_bwd_dkdv_kernel[(programs, (hi - lo) * hkv)](
+                q4[lo:hi], k4[lo:hi], v4[lo:hi], rpb_arg, do4[lo:hi], lse3[lo:hi], delta[lo:hi], dk[lo:hi],
+                dvv[lo:hi], *common, hkv, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, **meta,
+            )
+
+    run_dq(autotune.pick("dq", q, k, v, params, has_rpb, run_dq))
+    run_dkdv(autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv))
+    drpb = None
+    if has_rpb:
+        drpb = _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v)
+        drpb = drpb.reshape(rpb.shape).to(rpb.dtype)
+    spatial = q.shape[1:-2]
+    return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
+
+
+def _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v):
+    b, hq, hkv = q4.shape[0], q4.shape[2], k4.shape[2]
+    d, dv = q4.shape[-1], v4.shape[-1]
+    n_rel = table.shape[1]
+    launch = autotune.resolve(autotune.default_config("drpb", max(d, dv)), params)
+    window, programs = _window_args(params, launch.outer_tile)
+    _, _, _, _, C = _axes3(params)
+    tile = launch.outer_tile
+    partial_bytes = b * hq * programs * n_rel * 4
+    atomic = not deterministic and partial_bytes > DRPB_PARTIAL_BYTES
+    out = torch.zeros((hq, n_rel) if atomic else (b * hq, programs, n_rel), dtype=torch.float32, device=q4.device)
+    for lo, hi in _batch_chunks(b, hq):
+        target = out if atomic else out[lo * hq: hi * hq]
+        kernels.na_bwd_drpb_kernel[(programs, (hi - lo) * hq)](
+            q4[lo:hi], k4[lo:hi], v4[lo:hi], table, do4[lo:hi], lse3[lo:hi], delta[lo:hi], target,
+            *common, hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window,
+            CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], T0=tile[0], T1=tile[1], T2=tile[2],
+            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+            ATOMIC=atomic, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        )
+    if atomic:
+        return out
+    return out.reshape(b, hq, programs, n_rel).sum(dim=(0, 2))

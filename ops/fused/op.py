@@ -1,0 +1,86 @@
+"""The fused kernels as ``torch.library`` custom ops (forward and backward) with fake impls.
+
+``torch.compile(fullgraph=True)`` sees two opaque ops whose output shapes come from the fake
+implementations, and the autograd formula registered on the forward op (so compiled training
+graphs include the fused backward).  Autograd saves only q, k, v, rpb, out and lse.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import launch
+from ..window import NAParams
+
+DRPB_DETERMINISTIC_DEFAULT = True
+
+
+def _params(q: torch.Tensor, kernel_size, stride, dilation, is_causal) -> NAParams:
+    return NAParams(tuple(q.shape[1:-2]), tuple(kernel_size), tuple(stride), tuple(dilation), tuple(is_causal))
+
+
+@torch.library.custom_op("namodels::fused_na_forward", mutates_args=())
+def fused_na_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
+    kernel_size: list[int], stride: list[int], dilation: list[int], is_causal: list[bool], scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    params = _params(q, kernel_size, stride, dilation, is_causal)
+    return launch.forward(q, k, v, rpb, params, scale)
+
+
+@fused_na_forward.register_fake
+def _forward_fake(q, k, v, rpb, kernel_size, stride, dilation, is_causal, scale):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("namodels::fused_na_backward", mutates_args=())
+def fused_na_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor], out: torch.Tensor,
+    lse: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor],
+    kernel_size: list[int], stride: list[int], dilation: list[int], is_causal: list[bool], scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    params = _params(q, kernel_size, stride, dilation, is_causal)
+    dq, dk, dv, drpb = launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic)
+    if drpb is None:  # custom ops return tensors only: an empty one stands for "no rpb"
+        drpb = q.new_empty((0,))
+    return dq, dk, dv, drpb
+
+
+@fused_na_backward.register_fake
+def _backward_fake(q, k, v, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale,
+                   deterministic):
+    drpb = torch.empty_like(rpb) if rpb is not None else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), drpb
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, rpb, kernel_size, stride, dilation, is_causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, rpb, out, lse)
+    ctx.window = (kernel_size, stride, dilation, is_causal, scale)
+
+
+def _backward(ctx, d_out, d_lse):
+    q, k, v, rpb, out, lse = ctx.saved_tensors
+    kernel_size, stride, dilation, is_causal, scale = ctx.window
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    deterministic = DRPB_DETERMINISTIC_DEFAULT or torch.are_deterministic_algorithms_enabled()
+    dq, dk, dv, drpb = fused_na_backward(
+        q, k, v, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale, deterministic
+    )
+    return dq, dk, dv, (drpb if rpb is not None else None), None, None, None, None, None
+
+
+fused_na_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, params: NAParams, rpb, scale: float):
+    return fused_na_forward(
+        q, k, v, rpb, list(params.kernel_size), list(params.stride), list(params.dilation),
+        [bool(c) for c in params.is_causal], float(scale),
+    )
