@@ -70,7 +70,10 @@ def load_backend(name: str):
         module = importlib.import_module(_REGISTRY[name])
     except ImportError as err:  # e.g. triton missing: the backend is unavailable, not broken
         return _Unavailable(name, f"cannot import {_REGISTRY[name]}: {err}")
-    return module.BACKEND
+    backend = getattr(module, "BACKEND", None)
+    if backend is None:
+        return _Unavailable(name, f"{_REGISTRY[name]} defines no BACKEND")
+    return backend
 
 
 class _Unavailable:

@@ -70,12 +70,17 @@ class NAParams:
         return zip(self.spatial, self.kernel_size, self.stride, self.dilation, self.is_causal)
 
 
+# min/max that work on Python ints, on tensors, and on a mix (also inside vmap, e.g. flex mask_mod).
 def _minimum(a, b):
-    return torch.minimum(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else min(a, b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.where(a < b, a, b)
+    return min(a, b)
 
 
 def _maximum(a, b):
-    return torch.maximum(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else max(a, b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.where(a > b, a, b)
+    return max(a, b)
 
 
 def axis_window(i, L: int, K: int, s: int, d: int, causal: bool):
@@ -90,11 +95,11 @@ def axis_window(i, L: int, K: int, s: int, d: int, causal: bool):
     group_len = L // d + (g < L % d) * 1
     if causal:
         leader = _minimum((i_g // s) * s + (s - 1), group_len - 1)
-        start = _maximum(leader - K + 1, 0 * leader)
+        start = _maximum(leader - K + 1, 0)
         stop = i_g + 1
     else:
         leader = _minimum((i_g // s) * s + s // 2, group_len - 1)
-        start = _minimum(_maximum(leader - K // 2, 0 * leader), group_len - K)
+        start = _minimum(_maximum(leader - K // 2, 0), group_len - K)
         stop = start + K
     return g, i_g, start, stop
 

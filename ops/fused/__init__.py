@@ -24,9 +24,13 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
+# Triton decides at decoration time whether a kernel is compiled or interpreted.
+_INTERPRETED = type(kernels.na_fwd_kernel).__name__ == "InterpretedFunction"
+
+
 def interpreted() -> bool:
     """True when the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(kernels.na_fwd_kernel).__name__ == "InterpretedFunction"
+    return _INTERPRETED
 
 
 class FusedBackend:

@@ -1,0 +1,148 @@
+"""Backend ``flex``: torch ``flex_attention`` with a neighborhood ``mask_mod`` and an RPB ``score_mod``.
+
+The peer anyone can reach: the window rules from ``ops.window`` evaluated per (query, key) pair,
+and a block mask (cached per problem) so fully-masked 128x128 blocks are skipped.  Generic
+block sparsity wastes most of its work on 2-D/3-D windows, which is what the ``fused`` backend
+fixes.  On CUDA the attention runs through ``torch.compile`` (flex's fast path); on CPU it runs
+eagerly unless ``ops.flex.COMPILE_ON_CPU`` is set (compiling costs seconds per new shape).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import torch
+
+from ..window import NAParams, admits
+
+log = logging.getLogger(__name__)
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # torch without flex attention: the registry reports the backend unavailable
+    raise ImportError("torch.nn.attention.flex_attention is not available in this torch build")
+
+import torch.nn.attention.flex_attention as _flex_module
+
+try:  # torch >= 2.9 returns auxiliary outputs through AuxRequest; older releases use return_lse
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:
+    AuxRequest = None
+
+COMPILE_ON_CPU = False
+BLOCK_SIZE = 128
+
+
+def _unravel(flat, spatial):
+    """Flat row-major token index -> per-axis coordinates (works on vmapped tensors)."""
+    coords = []
+    for L in reversed(spatial):
+        coords.append(flat % L)
+        flat = flat // L
+    return coords[::-1]
+
+
+def make_mask_mod(params: NAParams):
+    def na_mask(b, h, q_idx, kv_idx):
+        return admits(_unravel(q_idx, params.spatial), _unravel(kv_idx, params.spatial), params)
+
+    return na_mask
+
+
+def make_rpb_score_mod(params: NAParams, rpb_flat: torch.Tensor):
+    """score + rpb[h, j'-i'+K-1 per axis], with the N-D index flattened row-major into rpb_flat [H, R]."""
+
+    def rpb_mod(score, b, h, q_idx, kv_idx):
+        index = 0
+        for qi, kj, (L, K, s, d, c) in zip(_unravel(q_idx, params.spatial), _unravel(kv_idx, params.spatial),
+                                           params.axes()):
+            # Outside the window the index may fall out of range: clamp; the mask removes those pairs.
+            rel = (kj // d - qi // d + (K - 1)).clamp(0, 2 * K - 2)
+            index = index * (2 * K - 1) + rel
+        return score + rpb_flat[h, index].to(score.dtype)
+
+    return rpb_mod
+
+
+@functools.lru_cache(maxsize=32)
+def _block_mask(params: NAParams, device: torch.device):
+    n = params.num_tokens
+    # Compiling the mask construction avoids materialising the [N, N] mask on large problems.
+    compile_mask = device.type == "cuda" and n > 4096
+    # One mask_mod object per problem (cached with the block mask) so compiled code is reused.
+    return create_block_mask(make_mask_mod(params), None, None, n, n, device=device, BLOCK_SIZE=BLOCK_SIZE,
+                             _compile=compile_mask)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _run_flex(q, k, v, score_mod, block_mask, scale, gqa):
+    use_compile = q.device.type == "cuda" or COMPILE_ON_CPU
+    if not use_compile:
+        return _run_flex_eager_cpu(q, k, v, score_mod, block_mask, scale, gqa)
+    return _call(_compiled_flex(), q, k, v, score_mod, block_mask, scale, gqa)
+
+
+def _call(fn, q, k, v, score_mod, block_mask, scale, gqa):
+    """flex_attention returning (out, lse) on every torch release that has it."""
+    if AuxRequest is not None:
+        out, aux = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                      return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+
+
+def _run_flex_eager_cpu(q, k, v, score_mod, block_mask, scale, gqa):
+    """CPU forward without torch.compile.
+
+    Uncompiled flex_attention still traces every call with dynamo, and our mask/score closures are
+    new per problem, so each call would re-trace (about a second).  flex's debug switch runs the
+    plain PyTorch reference instead, which is exactly what the eager CPU path computes anyway; it
+    has no backward, which CPU flex lacks regardless (``unsupported`` refuses gradients on CPU).
+    """
+    previous = _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            with torch.no_grad():  # flex refuses CPU inputs that require grad, even under no_grad
+                q, k, v = q.detach(), k.detach(), v.detach()
+                return _call(flex_attention, q, k, v, score_mod, block_mask, scale, gqa)
+    finally:
+        _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = previous
+
+
+class FlexBackend:
+    name = "flex"
+
+    def unsupported(self, problem) -> str | None:
+        if problem.device.type not in ("cuda", "cpu"):
+            return f"flex_attention runs on CUDA and CPU, not {problem.device.type}"
+        if problem.requires_grad and problem.device.type == "cpu":
+            return "torch's flex_attention has no backward on CPU (forward only there)"
+        if problem.dtype == torch.float64 and problem.device.type == "cuda":
+            return "float64 is not supported by the compiled flex kernels"
+        if problem.device.type == "cuda" and (problem.head_dim < 16 or problem.value_dim < 16):
+            return "the compiled flex kernels need head dims >= 16"
+        return None
+
+    def attention(self, q, k, v, params: NAParams, rpb, scale):
+        b, hq, hkv = q.shape[0], q.shape[-2], k.shape[-2]
+        n = params.num_tokens
+        to_bhnd = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1]).transpose(1, 2)  # noqa: E731
+        score_mod = None
+        if rpb is not None:
+            score_mod = make_rpb_score_mod(params, rpb.reshape(rpb.shape[0], -1))
+        out, lse = _run_flex(to_bhnd(q), to_bhnd(k), to_bhnd(v), score_mod, _block_mask(params, q.device), scale,
+                             hq != hkv)
+        spatial = q.shape[1:-2]
+        out = out.transpose(1, 2).reshape(b, *spatial, hq, v.shape[-1])
+        lse = lse.transpose(1, 2).reshape(b, *spatial, hq)
+        return out, lse
+
+
+BACKEND = FlexBackend()
