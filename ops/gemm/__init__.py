@@ -1,0 +1,60 @@
+"""Backend ``gemm``: unfused neighborhood attention from the paper's three operators.
+
+Forward: ``PN`` (QK^T of every query tile against its haloed key tile, only the window entries kept,
++ RPB) -> log-sum-exp -> ``NN`` (softmax weights times values).  Backward through ``PN`` / ``NN`` /
+``IN`` (``ops.gemm.autograd``).  Triton kernels on CUDA (``ops.gemm.triton_kernels``), a tiled PyTorch
+path elsewhere (``ops.gemm.torch_tiled``); both cut queries by their N-D layout (``ops.gemm.tiles``).
+The attention weights are materialised (``[B, *spatial, H, prod(K)]`` float32): that is what makes
+them available to ``ops.unfused.na_qk`` / ``na_av``, and what bounds the problem sizes it can serve.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..window import NAParams
+from . import operators
+from .autograd import AV, QK, Attention
+
+__all__ = ["BACKEND", "GemmBackend", "QK", "AV", "Attention", "operators"]
+
+# Fraction of the free memory the float32 weights of ONE batch element may take (the registry's
+# Problem carries no batch size, so larger batches can still run out of memory).
+MEMORY_FRACTION = 0.5
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+class GemmBackend:
+    name = "gemm"
+
+    def unsupported(self, problem) -> str | None:
+        params = problem.params
+        # logits (float32) and, when training, dS: per batch element
+        weights = params.num_tokens * problem.heads_q * params.window_size * 4 * (2 if problem.requires_grad else 1)
+        free = _free_bytes(torch.device(problem.device))
+        if free is not None and weights > MEMORY_FRACTION * free:
+            return (f"attention weights need {weights / 2**30:.1f} GiB per batch element, "
+                    f"{free / 2**30:.1f} GiB free on {problem.device}")
+        return None
+
+    def attention(self, q, k, v, params: NAParams, rpb, scale):
+        b, hq = q.shape[0], q.shape[-2]
+        n = params.num_tokens
+        flat = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1])  # noqa: E731
+        out, lse = Attention.apply(flat(q), flat(k), flat(v), rpb, params, scale)
+        spatial = q.shape[1:-2]
+        return out.reshape(b, *spatial, hq, v.shape[-1]), lse.reshape(b, *spatial, hq)
+
+
+BACKEND = GemmBackend()

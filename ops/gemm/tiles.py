@@ -212,7 +212,7 @@ def axis_torch_tiles(L, K, s, d, causal, tile: int) -> AxisTiles:
     return AxisTiles(cat(queries), cat(owned_all), cat(halo), cat(local), cat(valid_all), cat(rel_all))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: instances are cached and used as cache keys
 class TorchTiles:
     axes: tuple[AxisTiles, AxisTiles, AxisTiles]
     spatial: tuple[int, int, int]
@@ -235,7 +235,10 @@ class TorchTiles:
         return math.prod(a.halo.shape[1] for a in self.axes)
 
     def chunk(self, lo: int, hi: int, device, need_rel: bool = False) -> "TileChunk":
-        """Flat N-D index tables of tiles [lo, hi) (row-major over the per-axis tiles)."""
+        """Flat N-D index tables of tiles [lo, hi) (row-major over the per-axis tiles), cached."""
+        return _chunk_tables(self, lo, hi, torch.device(device), need_rel)
+
+    def build_chunk(self, lo: int, hi: int, device, need_rel: bool = False) -> "TileChunk":
         u = torch.arange(lo, hi)
         picks = []
         for count in reversed(self.counts):
@@ -265,14 +268,21 @@ class TorchTiles:
         halo_sizes = [a.halo.shape[1] for a in self.axes]
         rel_sizes = [2 * K - 1 for K in self.kernel_size]
         to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        valid = outer("valid")
         return TileChunk(
             queries=to(outer("queries", self.spatial)),
             owned=to(outer("owned")),
             halo=to(outer("halo", self.spatial)),
             local=to(outer("local", halo_sizes)),
-            valid=to(outer("valid")),
+            valid=to(valid),
             rel=to(outer("rel", rel_sizes)) if need_rel else None,
+            all_valid=bool(valid.all()),
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_tables(tiles: "TorchTiles", lo: int, hi: int, device: torch.device, need_rel: bool) -> "TileChunk":
+    return tiles.build_chunk(lo, hi, device, need_rel)
 
 
 @dataclass(frozen=True)
@@ -283,6 +293,7 @@ class TileChunk:
     local: torch.Tensor  # [c, Tq, W] flat halo position of each slot
     valid: torch.Tensor  # [c, Tq, W]
     rel: torch.Tensor | None  # [c, Tq, W] flat index into rpb.flatten(1)
+    all_valid: bool  # no empty (causal) slot in the chunk
 
 
 @functools.lru_cache(maxsize=128)

@@ -34,9 +34,24 @@ def _plan(params: NAParams, per_tile_elems, dtype):
     return tiles, bounds
 
 
-def _rows(t: torch.Tensor, index: torch.Tensor, shape, dtype):
-    """Rows ``index`` (flat positions) of a [B, N, ...] tensor, reshaped, in compute precision."""
-    return t.index_select(1, index.reshape(-1)).to(dtype).reshape(shape)
+def _head_major(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """[B, N, Hkv * G, X] -> contiguous [B, Hkv, N, G, X]: a kv head's query heads become GEMM rows."""
+    B, N, H, X = t.shape
+    return t.reshape(B, N, heads_kv, H // heads_kv, X).permute(0, 2, 1, 3, 4).contiguous()
+
+
+def _weight_rows(t: torch.Tensor, index: torch.Tensor, heads_kv: int, dtype) -> torch.Tensor:
+    """Rows ``index`` [c, Tq] of a [B, N, H, X] tensor as [B, Hkv, c, Tq, G, X] (a view after the copy)."""
+    B, _, H, X = t.shape
+    c, tq = index.shape
+    rows = t.index_select(1, index.reshape(-1)).to(dtype)
+    return rows.reshape(B, c, tq, heads_kv, H // heads_kv, X).permute(0, 3, 1, 2, 4, 5)
+
+
+def _to_rows_layout(x: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, c, Tq, G, X] -> [B, c * Tq, Hkv * G, X] for ``index_copy_`` into a [B, N, H, X] output."""
+    B, HB, c, tq, G, X = x.shape
+    return x.permute(0, 2, 3, 1, 4, 5).reshape(B, c * tq, HB * G, X)
 
 
 def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtype=None, ds=None):
@@ -54,42 +69,47 @@ def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtyp
     out = torch.empty(B, N, HA, W, dtype=out_dtype or a.dtype, device=a.device)
     tiles, bounds = _plan(params, lambda tq, th: B * (th * HB * D + tq * HA * (D + th + 3 * W)), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
+    a_hm, b_hm = _head_major(a.to(ct), HB), b.to(ct).permute(0, 2, 1, 3).contiguous()  # [B,Hb,N,G,D], [B,Hb,N,D]
+    if ds is not None:
+        logits, lse, delta = ds
+        lse, delta = lse.unsqueeze(-1), delta.unsqueeze(-1)
     for lo, hi in bounds:
         c = hi - lo
         ch = tiles.chunk(lo, hi, a.device, need_rel=rpb is not None)
-        qa = _rows(a, ch.queries, (B, c, Tq, HB, G, D), ct)
-        kb = _rows(b, ch.halo, (B, c, Th, HB, D), ct)
-        s = torch.einsum("bctkgd,bcjkd->bctkgj", qa, kb)  # whole tile x whole halo
-        s = torch.gather(s, -1, ch.local[None, :, :, None, None, :].expand(B, c, Tq, HB, G, W))
+        qa = a_hm.index_select(2, ch.queries.reshape(-1)).reshape(B, HB, c, Tq * G, D)
+        kb = b_hm.index_select(2, ch.halo.reshape(-1)).reshape(B, HB, c, Th, D)
+        s = torch.matmul(qa, kb.transpose(-1, -2)).reshape(B, HB, c, Tq, G, Th)  # whole tile x whole halo
+        s = torch.gather(s, -1, ch.local[None, None, :, :, None, :].expand(B, HB, c, Tq, G, W))
         if scale != 1.0:
             s = s * scale
         if rpb is not None:
             bias = rpb.flatten(1).to(ct)[:, ch.rel]  # [Ha, c, Tq, W]
-            s = s + bias.permute(1, 2, 0, 3).reshape(1, c, Tq, HB, G, W)
-        empty = ~ch.valid[None, :, :, None, None, :]
+            s = s + bias.reshape(HB, G, c, Tq, W).permute(0, 2, 3, 1, 4)
+        empty = None if ch.all_valid else ~ch.valid[None, None, :, :, None, :]
         if ds is not None:
-            logits, lse, delta = ds
-            p = torch.exp(_rows(logits, ch.queries, (B, c, Tq, HB, G, W), ct)
-                          - _rows(lse, ch.queries, (B, c, Tq, HB, G, 1), ct))
-            s = (p * (s - _rows(delta, ch.queries, (B, c, Tq, HB, G, 1), ct))).masked_fill(empty, 0.0)
-        elif not bool(ch.valid.all()):
+            p = torch.exp(_weight_rows(logits, ch.queries, HB, ct) - _weight_rows(lse, ch.queries, HB, ct))
+            s = p * (s - _weight_rows(delta, ch.queries, HB, ct))
+            if empty is not None:
+                s = s.masked_fill(empty, 0.0)
+        elif empty is not None:
             s = s.masked_fill(empty, fill)
         # Repeated queries (padding of a group's last tile) write identical values twice.
-        out.index_copy_(1, ch.queries.reshape(-1), s.reshape(B, c * Tq, HA, W).to(out.dtype))
+        out.index_copy_(1, ch.queries.reshape(-1), _to_rows_layout(s).to(out.dtype))
     return out
 
 
-def _spread(w, ch, shape, lse, ct, keep):
-    """Weights of the chunk's queries spread into halo layout ``[..., Th]`` (zero off-window)."""
-    B, c, Tq, HB, G, W = shape
-    rows = _rows(w, ch.queries, shape, ct)
+def _spread(w, ch, heads_kv, lse, ct, keep):
+    """Weights of the chunk's queries spread into halo layout [B, Hkv, c, Tq * G, Th] (zero off-window)."""
+    rows = _weight_rows(w, ch.queries, heads_kv, ct)  # [B, Hb, c, Tq, G, W]
     if lse is not None:
-        rows = torch.exp(rows - _rows(lse, ch.queries, (B, c, Tq, HB, G, 1), ct))
+        rows = torch.exp(rows - _weight_rows(lse.unsqueeze(-1), ch.queries, heads_kv, ct))
+    B, HB, c, tq, G, W = rows.shape
     th = ch.halo.shape[1]
     # Slots that must not contribute (empty causal slots, repeated queries) go to a trash column.
-    target = torch.where(keep, ch.local, th)[None, :, :, None, None, :].expand(shape)
-    z = torch.zeros(B, c, Tq, HB, G, th + 1, dtype=ct, device=w.device)
-    return z.scatter_(-1, target, rows)[..., :th]
+    target = ch.local if keep is None else torch.where(keep, ch.local, th)
+    z = torch.zeros(B, HB, c, tq, G, th + 1, dtype=ct, device=w.device)
+    z.scatter_(-1, target[None, None, :, :, None, :].expand(rows.shape), rows)
+    return z.reshape(B, HB, c, tq * G, th + 1)[..., :th]
 
 
 def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
@@ -105,15 +125,16 @@ def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
     out = torch.empty(B, N, HA, DV, dtype=out_dtype or b.dtype, device=b.device)
     tiles, bounds = _plan(params, lambda tq, th: B * (th * HB * DV + tq * HA * (2 * th + 2 * W + DV)), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
+    b_hm = b.to(ct).permute(0, 2, 1, 3).contiguous()
     for lo, hi in bounds:
         c = hi - lo
         ch = tiles.chunk(lo, hi, b.device)
-        z = _spread(w, ch, (B, c, Tq, HB, G, W), lse, ct, ch.valid)
-        vb = _rows(b, ch.halo, (B, c, Th, HB, DV), ct)
-        o = torch.einsum("bctkgj,bcjkd->bctkgd", z, vb)
+        z = _spread(w, ch, HB, lse, ct, None if ch.all_valid else ch.valid)
+        vb = b_hm.index_select(2, ch.halo.reshape(-1)).reshape(B, HB, c, Th, DV)
+        o = torch.matmul(z, vb).reshape(B, HB, c, Tq, G, DV)
         if scale != 1.0:
             o = o * scale
-        out.index_copy_(1, ch.queries.reshape(-1), o.reshape(B, c * Tq, HA, DV).to(out.dtype))
+        out.index_copy_(1, ch.queries.reshape(-1), _to_rows_layout(o).to(out.dtype))
     return out
 
 
@@ -128,16 +149,17 @@ def inn(w, x, params: NAParams, heads_kv: int, scale=1.0, lse=None, out_dtype=No
     HB = heads_kv
     G = HA // HB
     ct = compute_dtype(x.dtype)
-    acc = torch.zeros(B, N, HB, DX, dtype=ct, device=x.device)
+    acc = torch.zeros(B, HB, N, DX, dtype=ct, device=x.device)
     tiles, bounds = _plan(params, lambda tq, th: B * (th * HB * DX + tq * HA * (2 * th + 2 * W + DX)), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
+    x_hm = _head_major(x.to(ct), HB)
     for lo, hi in bounds:
         c = hi - lo
         ch = tiles.chunk(lo, hi, x.device)
-        z = _spread(w, ch, (B, c, Tq, HB, G, W), lse, ct, ch.valid & ch.owned[:, :, None])
-        xq = _rows(x, ch.queries, (B, c, Tq, HB, G, DX), ct)
-        dh = torch.einsum("bctkgj,bctkgd->bcjkd", z, xq)  # [B, c, Th, Hb, Dx]
-        acc.index_add_(1, ch.halo.reshape(-1), dh.reshape(B, c * Th, HB, DX))
+        z = _spread(w, ch, HB, lse, ct, ch.valid & ch.owned[:, :, None])
+        xq = x_hm.index_select(2, ch.queries.reshape(-1)).reshape(B, HB, c, Tq * G, DX)
+        dh = torch.matmul(z.transpose(-1, -2), xq)  # [B, Hb, c, Th, Dx]
+        acc.index_add_(2, ch.halo.reshape(-1), dh.reshape(B, HB, c * Th, DX))
     if scale != 1.0:
         acc = acc * scale
-    return acc.to(out_dtype or x.dtype)
+    return acc.permute(0, 2, 1, 3).to(out_dtype or x.dtype).contiguous()

@@ -1,0 +1,340 @@
+"""PN / NN / IN as Triton kernels: N-D query tiles, haloed key tiles, tensor-core tile GEMMs.
+
+One program handles one N-D tile of queries (PN, NN) or keys (IN) of one dilation group, for one batch
+element and head.  It walks the tile's halo (PN, NN: the keys covering the union of its windows) or
+inverse neighborhood (IN: the queries whose windows meet its keys) in flat chunks, multiplies whole
+chunks on the tensor cores, and keeps only the (query, key) pairs the window admits:
+
+* PN scatters the admitted logits to ``out[query, slot]`` (optionally: + RPB, or the attention-backward
+  epilogue ``dS = P * (dP - delta)``);
+* NN gathers the admitted weights into a ``[queries, keys]`` tile and multiplies it with the value tile;
+* IN gathers the transposed weights ``[keys, queries]`` and multiplies them with the query-side tile, so
+  every key's gradient is written by exactly one program (no atomics, deterministic).
+
+Which pairs are admitted is read from tables built by ``ops.gemm.tiles`` out of ``ops.window`` (the
+window start and length of every query coordinate, the halo / inverse range of every tile): the kernels
+re-derive no window rule.  Problems are padded to three spatial axes; ``RANK`` (constexpr) skips the
+padded axes' pair arithmetic.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..window import NAParams
+from .tiles import kernel_tables, kernel_tile_shape, pad_to_3d
+
+NUM_FIELDS = 6  # fields per tile in the tile tables (tiles.Q_ORIGIN .. H_LEN / K_ORIGIN .. R_LEN)
+BLOCK_CHUNK = 64  # keys (PN, NN) or queries (IN) per inner GEMM step
+MAX_HEAD_DIM = 256
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _tile_axis(tab_ptr, TM, axis: tl.constexpr, u, t, dil):
+    """Per-axis view of tile ``u``: rows ``t`` of the tile and its key (or query) range."""
+    base = tab_ptr + axis * 6 * TM + u
+    origin = tl.load(base)
+    first = tl.load(base + TM)
+    count = tl.load(base + 2 * TM)
+    r_origin = tl.load(base + 3 * TM)
+    r_first = tl.load(base + 4 * TM)
+    r_len = tl.load(base + 5 * TM)
+    ok = t < count
+    coord = tl.where(ok, origin + t * dil, 0)
+    return ok, coord, first + t, r_origin, r_first, r_len
+
+
+@triton.jit
+def _window(wtab_ptr, WM, axis: tl.constexpr, coord, ok):
+    """Window start (group coords) and length of the queries at ``coord`` on ``axis``."""
+    start = tl.load(wtab_ptr + (axis * 2) * WM + coord, mask=ok, other=0)
+    length = tl.load(wtab_ptr + (axis * 2 + 1) * WM + coord, mask=ok, other=0)
+    return start, length
+
+
+@triton.jit
+def _unflatten(f, len1, len2):
+    """Flat index over a [len0, len1, len2] range -> per-axis offsets."""
+    f2 = f % len2
+    rest = f // len2
+    return rest // len1, rest % len1, f2
+
+
+@triton.jit
+def _pn_kernel(a_ptr, b_ptr, out_ptr, rpb_ptr, lg_ptr, lse_ptr, delta_ptr, qtab_ptr, wtab_ptr, TM, WM,
+               N, HA, HB, D, W, scale, L1, L2, K0, K1, K2, R, DIL0, DIL1, DIL2, TPA1, TPA2,
+               T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_D: tl.constexpr, RANK: tl.constexpr, HAS_RPB: tl.constexpr, DS_MODE: tl.constexpr,
+               PREC: tl.constexpr):
+    BLOCK_Q: tl.constexpr = T0 * T1 * T2
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    bi = bh // HA
+    h = bh % HA
+    hb = h // (HA // HB)
+    u2 = pid % TPA2
+    u1 = (pid // TPA2) % TPA1
+    u0 = pid // (TPA2 * TPA1)
+    r = tl.arange(0, BLOCK_Q)
+    ok0, qc0, qg0, ho0, hs0, hl0 = _tile_axis(qtab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
+    ok1, qc1, qg1, ho1, hs1, hl1 = _tile_axis(qtab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
+    ok2, qc2, qg2, ho2, hs2, hl2 = _tile_axis(qtab_ptr, TM, 2, u2, r % T2, DIL2)
+    q_ok = ok0 & ok1 & ok2
+    ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, q_ok)
+    ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, q_ok)
+    ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, q_ok)
+    row = (bi * N + (qc0 * L1 + qc1) * L2 + qc2).to(tl.int64) * HA + h  # [BLOCK_Q] (batch, query, head)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(a_ptr + row[:, None] * D + d[None, :], mask=q_ok[:, None] & (d[None, :] < D), other=0.0)
+    if DS_MODE:
+        lse = tl.load(lse_ptr + row, mask=q_ok, other=0.0)
+        delta = tl.load(delta_ptr + row, mask=q_ok, other=0.0)
+    halo = hl0 * hl1 * hl2
+    for f_lo in range(0, halo, BLOCK_K):
+        f = f_lo + tl.arange(0, BLOCK_K)
+        f_ok = f < halo
+        f0, f1, f2 = _unflatten(f, hl1, hl2)
+        key = (bi * N + ((ho0 + f0 * DIL0) * L1 + ho1 + f1 * DIL1) * L2 + ho2 + f2 * DIL2).to(tl.int64) * HB + hb
+        k = tl.load(b_ptr + key[None, :] * D + d[:, None], mask=f_ok[None, :] & (d[:, None] < D), other=0.0)
+        s = tl.dot(q, k, input_precision=PREC) * scale  # [BLOCK_Q, BLOCK_K]: whole tile x halo chunk
+        # Keep the admitted pairs: per axis, key's group coord minus the query's window start.
+        s2 = (hs2 + f2)[None, :] - ws2[:, None]
+        ok = (s2 >= 0) & (s2 < wl2[:, None])
+        slot = s2
+        if RANK >= 2:
+            s1 = (hs1 + f1)[None, :] - ws1[:, None]
+            ok = ok & (s1 >= 0) & (s1 < wl1[:, None])
+            slot = slot + s1 * K2
+        if RANK >= 3:
+            s0 = (hs0 + f0)[None, :] - ws0[:, None]
+            ok = ok & (s0 >= 0) & (s0 < wl0[:, None])
+            slot = slot + s0 * (K1 * K2)
+        ok = ok & q_ok[:, None] & f_ok[None, :]
+        if HAS_RPB:
+            # Bias index j' - i' + K - 1 per axis, row-major over the (2K - 1)-sized axes of rpb.
+            rel = (hs2 + f2)[None, :] - qg2[:, None] + (K2 - 1)
+            if RANK >= 2:
+                rel = rel + ((hs1 + f1)[None, :] - qg1[:, None] + (K1 - 1)) * (2 * K2 - 1)
+            if RANK >= 3:
+                rel = rel + ((hs0 + f0)[None, :] - qg0[:, None] + (K0 - 1)) * ((2 * K1 - 1) * (2 * K2 - 1))
+            s += tl.load(rpb_ptr + h * R + rel, mask=ok, other=0.0).to(tl.float32)
+        dst = row[:, None] * W + slot
+        if DS_MODE:
+            logit = tl.load(lg_ptr + dst, mask=ok, other=0.0).to(tl.float32)
+            s = tl.exp(logit - lse[:, None]) * (s - delta[:, None])
+        tl.store(out_ptr + dst, s.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _nn_kernel(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM,
+               N, HA, HB, DV, W, scale, L1, L2, K1, K2, DIL0, DIL1, DIL2, TPA1, TPA2,
+               T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_DV: tl.constexpr, RANK: tl.constexpr, LSE_MODE: tl.constexpr, PREC: tl.constexpr):
+    BLOCK_Q: tl.constexpr = T0 * T1 * T2
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    bi = bh // HA
+    h = bh % HA
+    hb = h // (HA // HB)
+    u2 = pid % TPA2
+    u1 = (pid // TPA2) % TPA1
+    u0 = pid // (TPA2 * TPA1)
+    r = tl.arange(0, BLOCK_Q)
+    ok0, qc0, qg0, ho0, hs0, hl0 = _tile_axis(qtab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
+    ok1, qc1, qg1, ho1, hs1, hl1 = _tile_axis(qtab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
+    ok2, qc2, qg2, ho2, hs2, hl2 = _tile_axis(qtab_ptr, TM, 2, u2, r % T2, DIL2)
+    q_ok = ok0 & ok1 & ok2
+    ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, q_ok)
+    ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, q_ok)
+    ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, q_ok)
+    row = (bi * N + (qc0 * L1 + qc1) * L2 + qc2).to(tl.int64) * HA + h
+    if LSE_MODE:
+        lse = tl.load(lse_ptr + row, mask=q_ok, other=0.0)
+    dv = tl.arange(0, BLOCK_DV)
+    acc = tl.zeros([BLOCK_Q, BLOCK_DV], dtype=tl.float32)
+    halo = hl0 * hl1 * hl2
+    for f_lo in range(0, halo, BLOCK_K):
+        f = f_lo + tl.arange(0, BLOCK_K)
+        f_ok = f < halo
+        f0, f1, f2 = _unflatten(f, hl1, hl2)
+        s2 = (hs2 + f2)[None, :] - ws2[:, None]
+        ok = (s2 >= 0) & (s2 < wl2[:, None])
+        slot = s2
+        if RANK >= 2:
+            s1 = (hs1 + f1)[None, :] - ws1[:, None]
+            ok = ok & (s1 >= 0) & (s1 < wl1[:, None])
+            slot = slot + s1 * K2
+        if RANK >= 3:
+            s0 = (hs0 + f0)[None, :] - ws0[:, None]
+            ok = ok & (s0 >= 0) & (s0 < wl0[:, None])
+            slot = slot + s0 * (K1 * K2)
+        ok = ok & q_ok[:, None] & f_ok[None, :]
+        p = tl.load(w_ptr + row[:, None] * W + slot, mask=ok, other=0.0).to(tl.float32)
+        if LSE_MODE:
+            p = tl.where(ok, tl.exp(p - lse[:, None]), 0.0)
+        key = (bi * N + ((ho0 + f0 * DIL0) * L1 + ho1 + f1 * DIL1) * L2 + ho2 + f2 * DIL2).to(tl.int64) * HB + hb
+        v = tl.load(v_ptr + key[:, None] * DV + dv[None, :], mask=f_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    acc = acc * scale
+    tl.store(out_ptr + row[:, None] * DV + dv[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=q_ok[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _in_kernel(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM,
+               N, HA, HB, DX, W, scale, L1, L2, K1, K2, DIL0, DIL1, DIL2, TPA1, TPA2,
+               T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, BLOCK_Q: tl.constexpr,
+               BLOCK_DX: tl.constexpr, RANK: tl.constexpr, LSE_MODE: tl.constexpr, PREC: tl.constexpr):
+    BLOCK_KT: tl.constexpr = T0 * T1 * T2
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    bi = bh // HB
+    hb = bh % HB
+    G = HA // HB
+    u2 = pid % TPA2
+    u1 = (pid // TPA2) % TPA1
+    u0 = pid // (TPA2 * TPA1)
+    r = tl.arange(0, BLOCK_KT)
+    ok0, kc0, kg0, ro0, rs0, rl0 = _tile_axis(ktab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
+    ok1, kc1, kg1, ro1, rs1, rl1 = _tile_axis(ktab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
+    ok2, kc2, kg2, ro2, rs2, rl2 = _tile_axis(ktab_ptr, TM, 2, u2, r % T2, DIL2)
+    k_ok = ok0 & ok1 & ok2
+    krow = (bi * N + (kc0 * L1 + kc1) * L2 + kc2).to(tl.int64) * HB + hb
+    dx = tl.arange(0, BLOCK_DX)
+    acc = tl.zeros([BLOCK_KT, BLOCK_DX], dtype=tl.float32)
+    span = rl0 * rl1 * rl2
+    for f_lo in range(0, span, BLOCK_Q):
+        f = f_lo + tl.arange(0, BLOCK_Q)
+        f_ok = f < span
+        f0, f1, f2 = _unflatten(f, rl1, rl2)
+        qc0 = tl.where(f_ok, ro0 + f0 * DIL0, 0)
+        qc1 = tl.where(f_ok, ro1 + f1 * DIL1, 0)
+        qc2 = tl.where(f_ok, ro2 + f2 * DIL2, 0)
+        ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, f_ok)
+        ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, f_ok)
+        ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, f_ok)
+        # Pairs (key of the tile, query of the chunk): the key's slot in the query's window.
+        s2 = kg2[:, None] - ws2[None, :]
+        ok = (s2 >= 0) & (s2 < wl2[None, :])
+        slot = s2
+        if RANK >= 2:
+            s1 = kg1[:, None] - ws1[None, :]
+            ok = ok & (s1 >= 0) & (s1 < wl1[None, :])
+            slot = slot + s1 * K2
+        if RANK >= 3:
+            s0 = kg0[:, None] - ws0[None, :]
+            ok = ok & (s0 >= 0) & (s0 < wl0[None, :])
+            slot = slot + s0 * (K1 * K2)
+        ok = ok & k_ok[:, None] & f_ok[None, :]
+        qpos = (bi * N + (qc0 * L1 + qc1) * L2 + qc2).to(tl.int64) * HA
+        for gi in range(0, G):
+            qrow = qpos + hb * G + gi
+            p = tl.load(w_ptr + qrow[None, :] * W + slot, mask=ok, other=0.0).to(tl.float32)
+            if LSE_MODE:
+                lse = tl.load(lse_ptr + qrow, mask=f_ok, other=0.0)
+                p = tl.where(ok, tl.exp(p - lse[None, :]), 0.0)
+            x = tl.load(x_ptr + qrow[:, None] * DX + dx[None, :], mask=f_ok[:, None] & (dx[None, :] < DX),
+                        other=0.0)
+            acc = tl.dot(p.to(x.dtype), x, acc, input_precision=PREC)
+    acc = acc * scale
+    tl.store(out_ptr + krow[:, None] * DX + dx[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=k_ok[:, None] & (dx[None, :] < DX))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers (flat-space tensors [B, N, heads, dim], weights [B, N, heads, W])
+# ----------------------------------------------------------------------------------------------
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype != torch.float32 or interpreting():
+        return "ieee"
+    # float32 follows torch's matmul setting: TF32 only where the user allowed it, else 3xTF32 (~fp32).
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _setup(params: NAParams, device):
+    p3 = pad_to_3d(params)
+    tile = kernel_tile_shape(p3)
+    tables = kernel_tables(p3, tile, torch.device(device))
+    common = dict(
+        L1=p3.spatial[1], L2=p3.spatial[2], K1=p3.kernel_size[1], K2=p3.kernel_size[2],
+        DIL0=p3.dilation[0], DIL1=p3.dilation[1], DIL2=p3.dilation[2],
+        T0=tile[0], T1=tile[1], T2=tile[2], RANK=params.rank,
+    )
+    return p3, tables, common
+
+
+def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtype=None, ds=None):
+    """See ``torch_tiled.pn`` (same contract)."""
+    B, N, HA, D = a.shape
+    HB = b.shape[2]
+    W = params.window_size
+    a, b = a.contiguous(), b.contiguous()
+    p3, tables, common = _setup(params, a.device)
+    dtype = out_dtype or a.dtype
+    if ds is not None or any(params.is_causal):
+        # Empty causal slots are never visited by the kernel: pre-fill them.
+        out = torch.full((B, N, HA, W), 0.0 if ds is not None else fill, dtype=dtype, device=a.device)
+    else:
+        out = torch.empty(B, N, HA, W, dtype=dtype, device=a.device)
+    dummy = out
+    lg = lse = delta = dummy
+    if ds is not None:
+        lg, lse, delta = (t.contiguous() for t in ds)
+    rpb_arg = rpb.contiguous() if rpb is not None else dummy
+    grid = (tables.num_query_tiles, B * HA)
+    _pn_kernel[grid](
+        a, b, out, rpb_arg, lg, lse, delta, tables.query_tiles, tables.windows,
+        tables.query_tiles.shape[2], tables.windows.shape[2], N, HA, HB, D, W, float(scale),
+        K0=p3.kernel_size[0], R=math.prod(p3.rpb_shape),
+        TPA1=tables.tiles_per_axis[1], TPA2=tables.tiles_per_axis[2], BLOCK_K=BLOCK_CHUNK, BLOCK_D=_block(D),
+        HAS_RPB=rpb is not None, DS_MODE=ds is not None, PREC=_precision(a.dtype), **common,
+    )
+    return out
+
+
+def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
+    """See ``torch_tiled.nn`` (same contract)."""
+    B, N, HA, W = w.shape
+    HB, DV = b.shape[2], b.shape[3]
+    w, b = w.contiguous(), b.contiguous()
+    p3, tables, common = _setup(params, b.device)
+    out = torch.empty(B, N, HA, DV, dtype=out_dtype or b.dtype, device=b.device)
+    grid = (tables.num_query_tiles, B * HA)
+    _nn_kernel[grid](
+        w, b, out, lse.contiguous() if lse is not None else w, tables.query_tiles, tables.windows,
+        tables.query_tiles.shape[2], tables.windows.shape[2], N, HA, HB, DV, W, float(scale),
+        TPA1=tables.tiles_per_axis[1], TPA2=tables.tiles_per_axis[2], BLOCK_K=BLOCK_CHUNK,
+        BLOCK_DV=_block(DV), LSE_MODE=lse is not None, PREC=_precision(b.dtype), **common,
+    )
+    return out
+
+
+def inn(w, x, params: NAParams, heads_kv: int, scale=1.0, lse=None, out_dtype=None):
+    """See ``torch_tiled.inn`` (same contract)."""
+    B, N, HA, W = w.shape
+    DX = x.shape[3]
+    w, x = w.contiguous(), x.contiguous()
+    p3, tables, common = _setup(params, x.device)
+    out = torch.empty(B, N, heads_kv, DX, dtype=out_dtype or x.dtype, device=x.device)
+    grid = (tables.num_key_tiles, B * heads_kv)
+    _in_kernel[grid](
+        w, x, out, lse.contiguous() if lse is not None else w, tables.key_tiles, tables.windows,
+        tables.key_tiles.shape[2], tables.windows.shape[2], N, HA, heads_kv, DX, W, float(scale),
+        TPA1=tables.key_tiles_per_axis[1], TPA2=tables.key_tiles_per_axis[2], BLOCK_Q=BLOCK_CHUNK,
+        BLOCK_DX=_block(DX), LSE_MODE=lse is not None, PREC=_precision(x.dtype), **common,
+    )
+    return out

@@ -1,0 +1,157 @@
+"""Unfused neighborhood attention: the attention weights themselves, on demand.
+
+Fused kernels never materialise the weights; these two operators do, so the weights can be inspected,
+visualised, dropped out, or put through another normalisation:
+
+* ``na_qk(rank, query, key, kernel_size, ...)`` -> logits ``[B, *spatial, H, prod(K)]``: entry ``t`` of a
+  query is its dot product with the key in window slot ``t`` (slots row-major over the window offsets,
+  exactly as ``ops.window.neighbor_table`` numbers them), plus the relative positional bias if given;
+  slots past a causal query are ``-inf``.  No scale is applied: pre-scale the query.
+* ``na_av(rank, attn, value, kernel_size, ...)`` -> ``[B, *spatial, H, Dv]``: weights times the values
+  of the same slots (empty causal slots are ignored whatever ``attn`` holds there).
+
+Both are differentiable and run on the ``gemm`` backend's PN / NN kernels (backward: PN / NN / IN).
+``softmax(na_qk(q * scale, k)) -> na_av`` equals ``ops.na2d(q, k, v)`` up to rounding.
+
+Example: look at the weights of one query (``examples/attention_weights.py`` draws them as a PNG)::
+
+    import torch, ops
+    from ops.window import neighbor_table
+    from ops.functional import make_params
+
+    q = k = v = torch.randn(1, 32, 32, 2, 16)                      # [B, H, W, heads, dim]
+    logits = ops.na2d_qk(q * 16 ** -0.5, k, kernel_size=7, dilation=2)   # [1, 32, 32, 2, 49]
+    attn = logits.softmax(dim=-1)
+    out = ops.na2d_av(attn, v, kernel_size=7, dilation=2)            # == ops.na2d(q, k, v, 7, dilation=2)
+
+    # Where the 49 weights of query (5, 20), head 0, sit in the image:
+    params = make_params((32, 32), 7, 1, 2, False)
+    keys, valid, _ = neighbor_table(params, queries=torch.tensor([5 * 32 + 20]))
+    heat = torch.zeros(32 * 32)
+    heat[keys[0][valid[0]]] = attn[0, 5, 20, 0][valid[0]]
+    heat = heat.reshape(32, 32)                                   # plot with matplotlib's imshow
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .functional import SUPPORTED_DTYPES, make_params
+from .gemm.autograd import AV, QK
+
+__all__ = ["na_qk", "na_av", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av", "na3d_av"]
+
+
+def _check_pair(rank: int, first, second, names):
+    """Shared checks of the (query, key) / (attn, value) pair: types, rank, dtype, device, shape."""
+    for name, t in zip(names, (first, second)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+        if t.dim() != rank + 3:
+            raise ValueError(
+                f"{name}: expected a {rank + 3}-D tensor [B, {', '.join('L%d' % a for a in range(rank))}, H, D] "
+                f"for {rank}-D attention, got shape {tuple(t.shape)}"
+            )
+    if first.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype: {names[0]} dtype {first.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if second.dtype != first.dtype:
+        raise ValueError(f"dtype: {names[1]} dtype {second.dtype} differs from {names[0]} dtype {first.dtype}")
+    if second.device != first.device:
+        raise ValueError(f"device: {names[1]} is on {second.device}, {names[0]} on {first.device}")
+    if second.shape[: rank + 1] != first.shape[: rank + 1]:
+        raise ValueError(
+            f"spatial shape: {names[1]} batch/spatial shape {tuple(second.shape[:rank + 1])} differs from "
+            f"{names[0]}'s {tuple(first.shape[:rank + 1])}"
+        )
+    if any(n == 0 for n in first.shape) or any(n == 0 for n in second.shape):
+        raise ValueError(f"{names[0]}: empty tensors of shapes {tuple(first.shape)}, {tuple(second.shape)}")
+    if first.shape[-2] % second.shape[-2] != 0:
+        raise ValueError(
+            f"heads: {names[1]} heads ({second.shape[-2]}) must divide {names[0]} heads ({first.shape[-2]}) (GQA/MQA)"
+        )
+
+
+def _flat(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """[B, *spatial, H, X] -> contiguous [B, N, H, X]."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1: rank + 1]), t.shape[-2], t.shape[-1]).contiguous()
+
+
+def na_qk(rank: int, query, key, kernel_size, stride=1, dilation=1, is_causal=False, rpb=None):
+    """Neighborhood logits ``[B, *spatial, H, prod(K)]`` of ``query`` against ``key`` (see module doc).
+
+    ``query [B, *spatial, H, D]`` (pre-scaled), ``key [B, *spatial, H_kv, D]`` with ``H_kv`` dividing
+    ``H``; ``rpb [H, 2K-1 per axis]`` (non-causal only) is added at each slot's relative position.
+    """
+    _check_pair(rank, query, key, ("query", "key"))
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"head dim: key head dim {key.shape[-1]} differs from query head dim {query.shape[-1]}")
+    params = make_params(tuple(query.shape[1: rank + 1]), kernel_size, stride, dilation, is_causal)
+    if rpb is not None:
+        if not isinstance(rpb, torch.Tensor):
+            raise ValueError(f"rpb: expected a tensor, got {type(rpb).__name__}")
+        if any(params.is_causal):
+            raise ValueError(
+                f"rpb: relative positional bias is not defined on causal axes (is_causal={params.is_causal})"
+            )
+        expected = (query.shape[-2], *params.rpb_shape)
+        if tuple(rpb.shape) != expected:
+            raise ValueError(f"rpb: expected shape {expected} [heads, 2K-1 per axis], got {tuple(rpb.shape)}")
+        if rpb.device != query.device:
+            raise ValueError(f"rpb: is on {rpb.device}, query on {query.device}")
+        if not rpb.is_floating_point():
+            raise ValueError(f"rpb: expected a floating-point tensor, got {rpb.dtype}")
+    logits = QK.apply(_flat(query, rank), _flat(key, rank), rpb, params)
+    return logits.reshape(*query.shape[:-1], params.window_size)
+
+
+def na_av(rank: int, attn, value, kernel_size, stride=1, dilation=1, is_causal=False):
+    """Weights ``attn [B, *spatial, H, prod(K)]`` applied to ``value [B, *spatial, H_kv, Dv]``.
+
+    Returns ``[B, *spatial, H, Dv]``; slot order as in ``na_qk``.
+    """
+    _check_pair(rank, attn, value, ("attn", "value"))
+    params = make_params(tuple(attn.shape[1: rank + 1]), kernel_size, stride, dilation, is_causal)
+    if attn.shape[-1] != params.window_size:
+        raise ValueError(
+            f"attn: last dim must be prod(kernel_size) = {params.window_size} (one weight per window slot), "
+            f"got {attn.shape[-1]}"
+        )
+    out = AV.apply(_flat(attn, rank), _flat(value, rank), params)
+    return out.reshape(*attn.shape[:-1], value.shape[-1])
+
+
+def _qk_doc(rank):
+    return f"""{rank}-D neighborhood logits: ``na_qk({rank}, query, key, ...)`` (see ``ops.unfused``)."""
+
+
+def _av_doc(rank):
+    return f"""{rank}-D neighborhood weights times values: ``na_av({rank}, attn, value, ...)`` (see ``ops.unfused``)."""
+
+
+def na1d_qk(query, key, kernel_size, stride=1, dilation=1, is_causal=False, rpb=None):
+    return na_qk(1, query, key, kernel_size, stride, dilation, is_causal, rpb)
+
+
+def na2d_qk(query, key, kernel_size, stride=1, dilation=1, is_causal=False, rpb=None):
+    return na_qk(2, query, key, kernel_size, stride, dilation, is_causal, rpb)
+
+
+def na3d_qk(query, key, kernel_size, stride=1, dilation=1, is_causal=False, rpb=None):
+    return na_qk(3, query, key, kernel_size, stride, dilation, is_causal, rpb)
+
+
+def na1d_av(attn, value, kernel_size, stride=1, dilation=1, is_causal=False):
+    return na_av(1, attn, value, kernel_size, stride, dilation, is_causal)
+
+
+def na2d_av(attn, value, kernel_size, stride=1, dilation=1, is_causal=False):
+    return na_av(2, attn, value, kernel_size, stride, dilation, is_causal)
+
+
+def na3d_av(attn, value, kernel_size, stride=1, dilation=1, is_causal=False):
+    return na_av(3, attn, value, kernel_size, stride, dilation, is_causal)
+
+
+na1d_qk.__doc__, na2d_qk.__doc__, na3d_qk.__doc__ = _qk_doc(1), _qk_doc(2), _qk_doc(3)
+na1d_av.__doc__, na2d_av.__doc__, na3d_av.__doc__ = _av_doc(1), _av_doc(2), _av_doc(3)
