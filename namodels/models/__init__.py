@@ -3,3 +3,4 @@ from .dinat_s import DiNAT_s
 from .nat import NAT
 
 __all__ = ["NAT", "DiNAT_s"]
+from .video import VideoNAT  # noqa: E402  (registers video_nat_* in timm)
