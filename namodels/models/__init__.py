@@ -4,3 +4,4 @@ from .nat import NAT
 
 __all__ = ["NAT", "DiNAT_s"]
 from .video import VideoNAT  # noqa: E402  (registers video_nat_* in timm)
+from .stylenat import StyleNATDiscriminator, StyleNATGenerator  # noqa: E402
