@@ -73,7 +73,7 @@ def _pn_kernel(a_ptr, b_ptr, out_ptr, rpb_ptr, lg_ptr, lse_ptr, delta_ptr, qtab_
                N, HA, HB, D, W, scale, L1, L2, K0, K1, K2, R, DIL0, DIL1, DIL2, TPA1, TPA2,
                T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_D: tl.constexpr, RANK: tl.constexpr, HAS_RPB: tl.constexpr, DS_MODE: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, ACC: tl.constexpr):
     BLOCK_Q: tl.constexpr = T0 * T1 * T2
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -125,10 +125,10 @@ def _pn_kernel(a_ptr, b_ptr, out_ptr, rpb_ptr, lg_ptr, lse_ptr, delta_ptr, qtab_
                 rel = rel + ((hs1 + f1)[None, :] - qg1[:, None] + (K1 - 1)) * (2 * K2 - 1)
             if RANK >= 3:
                 rel = rel + ((hs0 + f0)[None, :] - qg0[:, None] + (K0 - 1)) * ((2 * K1 - 1) * (2 * K2 - 1))
-            s += tl.load(rpb_ptr + h * R + rel, mask=ok, other=0.0).to(tl.float32)
+            s += tl.load(rpb_ptr + h * R + rel, mask=ok, other=0.0).to(ACC)
         dst = row[:, None] * W + slot
         if DS_MODE:
-            logit = tl.load(lg_ptr + dst, mask=ok, other=0.0).to(tl.float32)
+            logit = tl.load(lg_ptr + dst, mask=ok, other=0.0).to(ACC)
             s = tl.exp(logit - lse[:, None]) * (s - delta[:, None])
         tl.store(out_ptr + dst, s.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -137,7 +137,8 @@ def _pn_kernel(a_ptr, b_ptr, out_ptr, rpb_ptr, lg_ptr, lse_ptr, delta_ptr, qtab_
 def _nn_kernel(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM,
                N, HA, HB, DV, W, scale, L1, L2, K1, K2, DIL0, DIL1, DIL2, TPA1, TPA2,
                T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_DV: tl.constexpr, RANK: tl.constexpr, LSE_MODE: tl.constexpr, PREC: tl.constexpr):
+               BLOCK_DV: tl.constexpr, RANK: tl.constexpr, LSE_MODE: tl.constexpr, PREC: tl.constexpr,
+               ACC: tl.constexpr):
     BLOCK_Q: tl.constexpr = T0 * T1 * T2
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -159,7 +160,7 @@ def _nn_kernel(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM,
     if LSE_MODE:
         lse = tl.load(lse_ptr + row, mask=q_ok, other=0.0)
     dv = tl.arange(0, BLOCK_DV)
-    acc = tl.zeros([BLOCK_Q, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_DV], dtype=ACC)
     halo = hl0 * hl1 * hl2
     for f_lo in range(0, halo, BLOCK_K):
         f = f_lo + tl.arange(0, BLOCK_K)
@@ -177,7 +178,7 @@ def _nn_kernel(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM,
             ok = ok & (s0 >= 0) & (s0 < wl0[:, None])
             slot = slot + s0 * (K1 * K2)
         ok = ok & q_ok[:, None] & f_ok[None, :]
-        p = tl.load(w_ptr + row[:, None] * W + slot, mask=ok, other=0.0).to(tl.float32)
+        p = tl.load(w_ptr + row[:, None] * W + slot, mask=ok, other=0.0).to(ACC)
         if LSE_MODE:
             p = tl.where(ok, tl.exp(p - lse[:, None]), 0.0)
         key = (bi * N + ((ho0 + f0 * DIL0) * L1 + ho1 + f1 * DIL1) * L2 + ho2 + f2 * DIL2).to(tl.int64) * HB + hb
@@ -192,7 +193,8 @@ def _nn_kernel(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM,
 def _in_kernel(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM,
                N, HA, HB, DX, W, scale, L1, L2, K1, K2, DIL0, DIL1, DIL2, TPA1, TPA2,
                T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, BLOCK_Q: tl.constexpr,
-               BLOCK_DX: tl.constexpr, RANK: tl.constexpr, LSE_MODE: tl.constexpr, PREC: tl.constexpr):
+               BLOCK_DX: tl.constexpr, RANK: tl.constexpr, LSE_MODE: tl.constexpr, PREC: tl.constexpr,
+               ACC: tl.constexpr):
     BLOCK_KT: tl.constexpr = T0 * T1 * T2
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -209,7 +211,7 @@ def _in_kernel(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM,
     k_ok = ok0 & ok1 & ok2
     krow = (bi * N + (kc0 * L1 + kc1) * L2 + kc2).to(tl.int64) * HB + hb
     dx = tl.arange(0, BLOCK_DX)
-    acc = tl.zeros([BLOCK_KT, BLOCK_DX], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_KT, BLOCK_DX], dtype=ACC)
     span = rl0 * rl1 * rl2
     for f_lo in range(0, span, BLOCK_Q):
         f = f_lo + tl.arange(0, BLOCK_Q)
@@ -237,7 +239,7 @@ def _in_kernel(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM,
         qpos = (bi * N + (qc0 * L1 + qc1) * L2 + qc2).to(tl.int64) * HA
         for gi in range(0, G):
             qrow = qpos + hb * G + gi
-            p = tl.load(w_ptr + qrow[None, :] * W + slot, mask=ok, other=0.0).to(tl.float32)
+            p = tl.load(w_ptr + qrow[None, :] * W + slot, mask=ok, other=0.0).to(ACC)
             if LSE_MODE:
                 lse = tl.load(lse_ptr + qrow, mask=f_ok, other=0.0)
                 p = tl.where(ok, tl.exp(p - lse[None, :]), 0.0)
@@ -259,6 +261,11 @@ def _precision(dtype: torch.dtype) -> str:
         return "ieee"
     # float32 follows torch's matmul setting: TF32 only where the user allowed it, else 3xTF32 (~fp32).
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+
+
+def _acc(dtype: torch.dtype):
+    """Accumulator type: float64 for float64 inputs (interpreter only), else float32."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 def _block(n: int) -> int:
@@ -301,7 +308,8 @@ def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtyp
         tables.query_tiles.shape[2], tables.windows.shape[2], N, HA, HB, D, W, float(scale),
         K0=p3.kernel_size[0], R=math.prod(p3.rpb_shape),
         TPA1=tables.tiles_per_axis[1], TPA2=tables.tiles_per_axis[2], BLOCK_K=BLOCK_CHUNK, BLOCK_D=_block(D),
-        HAS_RPB=rpb is not None, DS_MODE=ds is not None, PREC=_precision(a.dtype), **common,
+        HAS_RPB=rpb is not None, DS_MODE=ds is not None, PREC=_precision(a.dtype), ACC=_acc(a.dtype),
+        **common,
     )
     return out
 
@@ -318,7 +326,7 @@ def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
         w, b, out, lse.contiguous() if lse is not None else w, tables.query_tiles, tables.windows,
         tables.query_tiles.shape[2], tables.windows.shape[2], N, HA, HB, DV, W, float(scale),
         TPA1=tables.tiles_per_axis[1], TPA2=tables.tiles_per_axis[2], BLOCK_K=BLOCK_CHUNK,
-        BLOCK_DV=_block(DV), LSE_MODE=lse is not None, PREC=_precision(b.dtype), **common,
+        BLOCK_DV=_block(DV), LSE_MODE=lse is not None, PREC=_precision(b.dtype), ACC=_acc(b.dtype), **common,
     )
     return out
 
@@ -335,6 +343,6 @@ def inn(w, x, params: NAParams, heads_kv: int, scale=1.0, lse=None, out_dtype=No
         w, x, out, lse.contiguous() if lse is not None else w, tables.key_tiles, tables.windows,
         tables.key_tiles.shape[2], tables.windows.shape[2], N, HA, heads_kv, DX, W, float(scale),
         TPA1=tables.key_tiles_per_axis[1], TPA2=tables.key_tiles_per_axis[2], BLOCK_Q=BLOCK_CHUNK,
-        BLOCK_DX=_block(DX), LSE_MODE=lse is not None, PREC=_precision(x.dtype), **common,
+        BLOCK_DX=_block(DX), LSE_MODE=lse is not None, PREC=_precision(x.dtype), ACC=_acc(x.dtype), **common,
     )
     return out
