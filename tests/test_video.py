@@ -1,0 +1,246 @@
+"""Causal video NAT: causality, streaming == full clip, bounded cache, data sets, task.
+
+Models here are tiny (2 blocks, width 32, 24x24 frames -> 6x6 tokens so the dilated blocks really
+dilate) to keep the default selection fast on 2 CPU cores.  Tolerances: fp32 streaming vs full
+clip differ only by the log-sum-exp merge order, atol 2e-5.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import timm
+import torch
+
+import namodels  # noqa: F401  (registers the models)
+import ops
+from namodels.data.moving_digits import MovingDigits
+from namodels.data.video import VideoClips
+from namodels.models.video import VideoNAT, VideoRope
+
+FP32_ATOL = 2e-5
+
+
+def tiny_model(**kwargs) -> VideoNAT:
+    cfg = dict(img_size=24, in_chans=2, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0,
+               kernel_size=3, temporal_kernel=3, dilation=2, layer_scale=1.0, num_classes=4)
+    cfg.update(kwargs)
+    torch.manual_seed(cfg.pop("seed", 0))
+    return VideoNAT(**cfg).eval()
+
+
+def random_clip(b=2, t=7, c=2, size=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(b, t, c, size, size, generator=g)
+
+
+# ----------------------------------------------------------------------------------------- model
+
+
+def test_registry_sizes_and_shapes():
+    assert {"video_nat_nano", "video_nat_tiny", "video_nat_small"} <= set(timm.list_models("video_nat_*"))
+    model = timm.create_model("video_nat_tiny", depth=1)  # full width, one block: cheap to build
+    assert isinstance(model, VideoNAT) and model.num_classes == 0 and model.embed_dim == 192
+    model = timm.create_model("video_nat_nano", num_classes=3, embed_dim=32, depth=2, num_heads=2).eval()
+    clip = random_clip(b=1, t=4, c=1, size=32)
+    with torch.no_grad():
+        feats = model.forward_features(clip)
+        assert feats.shape == (1, 4, 8, 8, 32)
+        assert model(clip).shape == (1, 3)
+        assert model.predict_next_frames(clip).shape == clip.shape
+    model.reset_classifier(0)
+    with torch.no_grad():
+        assert model(clip).shape == clip.shape
+
+
+def test_dilation_alternates_and_bad_inputs_raise():
+    model = tiny_model(depth=4)
+    assert model.dilations == [1, 2, 1, 2]
+    assert all(b.attn.is_causal == (True, False, False) and b.attn.rpb is None for b in model.blocks)
+    with pytest.raises(ValueError, match="clip"):
+        model(torch.rand(2, 2, 24, 24))
+    with pytest.raises(ValueError, match="frames"):
+        model(torch.rand(1, 3, 2, 26, 26))
+    with pytest.raises(ValueError, match="kernel_size"):
+        model(torch.rand(1, 3, 2, 8, 8))  # 2x2 tokens < 3x3 window
+    with pytest.raises(ValueError, match="dilations"):
+        tiny_model(dilations=[1])
+    with pytest.raises(ValueError, match="patch_size"):
+        tiny_model(patch_size=3)
+
+
+def test_rope_is_relative():
+    """Rotated q.k depends only on the position difference (what makes it causal-safe)."""
+    rope = VideoRope(12)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 12, generator=g, dtype=torch.float64)
+    cos, sin = rope.tables(torch.arange(40), 8, 8, torch.float64)  # [40, 8, 8, 1, 6]
+
+    def logit(pq, pk):
+        return (rope.rotate(q, cos[pq][0], sin[pq][0]) * rope.rotate(k, cos[pk][0], sin[pk][0])).sum()
+
+    assert torch.allclose(logit((3, 1, 2), (1, 0, 4)), logit((33, 2, 3), (31, 1, 5)))
+    assert not torch.allclose(logit((3, 1, 2), (1, 0, 4)), logit((3, 1, 2), (2, 0, 4)))
+
+
+@pytest.mark.parametrize("backend", [None, "naive"])
+def test_causality_future_frames_never_change_the_past(backend):
+    model = tiny_model(backend=backend)
+    clip = random_clip()
+    t = 4
+    changed = clip.clone()
+    changed[:, t] = torch.rand(changed[:, t].shape, generator=torch.Generator().manual_seed(7)) * 3 - 1
+    with torch.no_grad():
+        a, b = model.forward_features(clip), model.forward_features(changed)
+        pa, pb = model.predict_next_frames(clip, a), model.predict_next_frames(changed, b)
+    assert torch.equal(a[:, :t], b[:, :t]) and torch.equal(pa[:, :t], pb[:, :t])
+    assert (a[:, t:] - b[:, t:]).abs().amax(dim=(0, 2, 3, 4)).min() > 1e-3  # every later frame sees it
+
+
+def test_causality_of_gradients():
+    model = tiny_model()
+    clip = random_clip().requires_grad_(True)
+    t = 3
+    model.predict_next_frames(clip)[:, :t].square().sum().backward()
+    assert clip.grad[:, t:].abs().max() == 0
+    assert clip.grad[:, :t].abs().amax(dim=(0, 2, 3, 4)).min() > 0
+
+
+@pytest.mark.parametrize("backend", [None, "naive"])
+def test_streaming_equals_full_clip(backend):
+    """Clip of 9 frames, window 3: every frame's prediction, features and running logits match."""
+    model = tiny_model(backend=backend)
+    clip = random_clip(t=9)
+    with torch.no_grad():
+        feats = model.forward_features(clip)
+        pred = model.predict_next_frames(clip, feats)
+    state = model.init_stream()
+    for t in range(clip.shape[1]):
+        out = model.step(clip[:, t], state)
+        torch.testing.assert_close(out["features"], feats[:, t], atol=FP32_ATOL, rtol=0)
+        torch.testing.assert_close(out["next_frame"], pred[:, t], atol=FP32_ATOL, rtol=0)
+        with torch.no_grad():
+            logits = model.classify(clip[:, : t + 1])
+        torch.testing.assert_close(out["logits"], logits, atol=FP32_ATOL, rtol=0)
+    assert state.t == clip.shape[1]
+
+
+def test_streaming_other_resolution_window_and_residual_head():
+    """Non-default frame size (interpolated absolute embedding), k_t = 4, residual head, no layer scale."""
+    model = tiny_model(temporal_kernel=4, predict_residual=True, layer_scale=None, num_classes=0, seed=3)
+    clip = random_clip(b=1, t=6, size=32)
+    with torch.no_grad():
+        pred = model(clip)
+    state = model.init_stream()
+    streamed = torch.stack([model.step(clip[:, t], state)["next_frame"] for t in range(6)], 1)
+    torch.testing.assert_close(streamed, pred, atol=FP32_ATOL, rtol=0)
+
+
+def test_short_clip_shorter_than_window():
+    model = tiny_model(temporal_kernel=5)
+    clip = random_clip(t=2)
+    with torch.no_grad():
+        pred = model.predict_next_frames(clip)
+        longer = model.predict_next_frames(torch.cat([clip, random_clip(t=4, seed=9)], 1))
+    torch.testing.assert_close(pred, longer[:, :2], atol=FP32_ATOL, rtol=0)  # causal: a prefix is a prefix
+
+
+def test_cache_memory_is_constant_in_clip_length():
+    model = tiny_model()
+    state = model.init_stream()
+    frames = random_clip(t=30)
+    sizes = []
+    for t in range(30):
+        model.step(frames[:, t], state)
+        sizes.append(state.nbytes())
+    # per block: keys + values of k_t frames of [B, 6, 6, heads, head_dim] fp32; plus the pooled sum
+    expected = len(model.blocks) * 2 * (2 * 3 * 6 * 6 * 32) * 4 + 2 * 32 * 4
+    assert sizes[0] == sizes[-1] == expected
+    assert all(c.keys.shape[1] == model.temporal_kernel for c in state.caches)
+    with pytest.raises(ValueError, match="frame"):
+        model.step(random_clip(b=3, t=1)[:, 0], state)  # batch differs from the stream's
+
+
+def test_rollout_matches_iterated_full_forward():
+    model = tiny_model(num_classes=0)
+    context = random_clip(b=1, t=3)
+    gen = model.rollout(context, 3)
+    assert gen.shape == (1, 3, 2, 24, 24)
+    seq = context
+    with torch.no_grad():
+        for i in range(3):
+            nxt = model(seq)[:, -1]
+            torch.testing.assert_close(gen[:, i], nxt, atol=1e-4, rtol=0)
+            seq = torch.cat([seq, nxt[:, None]], 1)
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+def test_moving_digits_deterministic_bounded_and_moving():
+    ds = MovingDigits(num_clips=5, num_frames=12, image_size=32, num_digits=2, speed=(2.0, 3.0), seed=3)
+    clip, label = ds[2]
+    again, label2 = MovingDigits(num_clips=5, num_frames=12, image_size=32, num_digits=2, speed=(2.0, 3.0),
+                                 seed=3)[2]
+    assert clip.shape == (12, 1, 32, 32) and clip.dtype == torch.float32
+    assert torch.equal(clip, again) and label == label2 and 0 <= label <= 9
+    assert not torch.equal(clip, ds[3][0])
+    assert clip.min() >= 0 and clip.max() <= 1 and clip.max() > 0.5
+    assert (clip[1:] - clip[:-1]).abs().mean() > 0.01  # digits move
+    _, path = ds.trajectories(2)
+    assert path.min() >= 0 and path.max() <= 32 - 8
+    step = np.abs(np.diff(path, axis=1)).sum(-1)
+    assert step.max() <= 2 * 3.0 + 1e-6  # speed bound (reflections shorten a step, never lengthen it)
+
+
+def test_moving_digits_held_out_sprites_and_bad_args():
+    train, val = MovingDigits(split="train"), MovingDigits(split="val")
+    assert len(train.images) + len(val.images) == 1797
+    train_set = {a.tobytes() for a in train.images}
+    assert not any(a.tobytes() in train_set for a in val.images[:50])
+    assert not torch.equal(MovingDigits(num_clips=1, split="train")[0][0], MovingDigits(num_clips=1, split="val")[0][0])
+    with pytest.raises(ValueError, match="split"):
+        MovingDigits(split="other")
+    with pytest.raises(ValueError, match="image_size"):
+        MovingDigits(image_size=12, digit_scale=2)
+
+
+def _write_frames(folder, n, size=(20, 30), seed=0):
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    frames = rng.integers(0, 256, (n, *size, 3), dtype=np.uint8)
+    for i, f in enumerate(frames):
+        Image.fromarray(f).save(os.path.join(folder, f"frame{i}.png"))  # natural order: frame10 after frame9
+    return frames
+
+
+def test_video_clips_frame_folders_gif_and_labels(tmp_path):
+    from PIL import Image
+
+    frames = _write_frames(tmp_path / "cats" / "vid_a", 12)
+    _write_frames(tmp_path / "dogs" / "vid_b", 9, seed=1)
+    _write_frames(tmp_path / "dogs" / "too_short", 3, seed=2)
+    gif = [Image.fromarray(np.full((16, 16, 3), 30 * i, np.uint8)) for i in range(8)]
+    gif[0].save(tmp_path / "dogs" / "clip.gif", save_all=True, append_images=gif[1:], duration=40, loop=0)
+
+    ds = VideoClips(str(tmp_path), num_frames=4, frame_stride=2, image_size=8, clips_per_video=2,
+                    sampling="uniform", center_crop=False)
+    assert ds.classes == ["cats", "dogs"] and ds.skipped == 1 and len(ds) == 2 * 3
+    clip, label = ds[1]  # second (last) clip of cats/vid_a: start 12 - 7 = 5 -> frames 5, 7, 9, 11
+    assert clip.shape == (4, 3, 8, 8) and label == 0
+    want = torch.from_numpy(frames[[5, 7, 9, 11]]).permute(0, 3, 1, 2).float() / 255
+    want = torch.nn.functional.interpolate(want, size=(8, 8), mode="bilinear", antialias=True, align_corners=False)
+    torch.testing.assert_close(clip, want, atol=1e-5, rtol=0)
+    gif_clip, gif_label = ds[2]  # clip.gif sorts before vid_b
+    assert gif_label == 1 and gif_clip.shape == (4, 3, 8, 8)
+    torch.testing.assert_close(gif_clip[:, 0, 0, 0], torch.tensor([0, 60, 120, 180]) / 255.0, atol=2 / 255, rtol=0)
+
+    rnd = VideoClips(str(tmp_path), num_frames=4, image_size=(8, 10), sampling="random", grayscale=True)
+    assert rnd[0][0].shape == (4, 1, 8, 10)
+    with pytest.raises(ValueError, match="root"):
+        VideoClips(str(tmp_path), num_frames=40)
+    with pytest.raises(ValueError, match="sampling"):
+        VideoClips(str(tmp_path), sampling="every")
