@@ -565,13 +565,18 @@ class StyleNATGenerator(nn.Module):
         img = self.synthesis(ws)
         return (img, ws) if return_latents else img
 
+    def seeded_latents(self, seeds: Sequence[int]) -> torch.Tensor:
+        """One ``z`` per seed (drawn on CPU, so an image depends only on its seed, not on the
+        device or the batch it is generated in)."""
+        return torch.stack([torch.randn(self.style_dim, generator=torch.Generator().manual_seed(int(s)))
+                            for s in seeds])
+
     @torch.no_grad()
     def sample(self, n: int, seed: int = 0, truncation: float = 1.0, batch_size: int = 16,
                device=None) -> torch.Tensor:
-        """``n`` images from seeded latents (``z`` drawn on CPU so results do not depend on the device)."""
+        """Images for seeds ``seed, seed + 1, ..., seed + n - 1``."""
         device = device or self.const.device
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        z = torch.randn(n, self.style_dim, generator=gen)
+        z = self.seeded_latents(range(seed, seed + n))
         out = [self(z[i:i + batch_size].to(device), truncation=truncation) for i in range(0, n, batch_size)]
         return torch.cat(out)
 

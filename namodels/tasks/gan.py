@@ -1,0 +1,407 @@
+"""GAN training (StyleNAT recipe) as a Lightning module with manual optimization.
+
+One training step = one discriminator step (+ lazy R1 every ``r1_interval`` D steps), one
+generator step and one G-EMA update:
+
+* losses: non-saturating logistic (``softplus``); optional balanced consistency regularisation
+  (bCR: ``lambda * ||D(aug(x)) - D(x)||^2`` for real and fake, DiffAugment policy);
+* lazy R1: ``gamma / 2 * E||grad_x D(x)||^2 * r1_interval`` on real images every
+  ``r1_interval`` D steps, with the D optimizer's lr and betas adjusted by
+  ``c = r1_interval / (r1_interval + 1)`` (``lr * c``, ``beta ** c``) so the regularised
+  optimizer matches the unregularised one on average (StyleGAN2);
+* G EMA with a half-life counted in images: decay per step ``0.5 ** (global_batch / (half_life_kimg
+  * 1000))`` (= the release's ``0.5 ** (32 / 10000)`` at global batch 32);
+* TTUR: G lr = D lr / 4 unless ``lr_g`` is given; optional linear lr decay over a kimg range;
+* D gradient clipping (norm 5 in the release), optional G clipping;
+* progress is counted in images seen (``kimg``), not ``global_step`` (which Lightning advances on
+  every optimizer step in manual optimization).
+
+Checkpoints are Lightning checkpoints (resumable with ``ckpt_path``) that also carry the release's
+layout at no extra size: ``state_dicts: {g, g_ema, d}`` and ``optim_dicts: {g_optim, d_optim}``
+reference the same tensors (``torch.save`` stores shared storages once).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from timm.utils.model_ema import ModelEmaV3
+from torch import nn
+
+from namodels.models.stylenat import StyleNATDiscriminator, StyleNATGenerator, load_official_generator
+
+__all__ = [
+    "GANTask",
+    "d_logistic_loss",
+    "g_nonsaturating_loss",
+    "r1_penalty",
+    "diff_augment",
+    "ema_decay",
+    "lazy_regularization_hparams",
+    "load_generator",
+    "build_generator",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Losses and schedules
+# ---------------------------------------------------------------------------------------------
+
+
+def d_logistic_loss(real_pred: torch.Tensor, fake_pred: torch.Tensor) -> torch.Tensor:
+    """Discriminator logistic loss: ``softplus(-D(real)) + softplus(D(fake))`` (means)."""
+    return F.softplus(-real_pred).mean() + F.softplus(fake_pred).mean()
+
+
+def g_nonsaturating_loss(fake_pred: torch.Tensor) -> torch.Tensor:
+    """Non-saturating generator loss ``softplus(-D(G(z)))``."""
+    return F.softplus(-fake_pred).mean()
+
+
+def r1_penalty(real_pred: torch.Tensor, real_img: torch.Tensor) -> torch.Tensor:
+    """``E_x ||grad_x D(x)||^2`` (per-sample squared gradient norm, batch mean), differentiable."""
+    (grad,) = torch.autograd.grad(real_pred.sum(), real_img, create_graph=True)
+    return grad.pow(2).flatten(1).sum(1).mean()
+
+
+def ema_decay(global_batch: int, half_life_kimg: float = 10.0) -> float:
+    """Per-step EMA decay so the average's half-life is ``half_life_kimg`` thousand images."""
+    if global_batch < 1 or half_life_kimg <= 0:
+        raise ValueError(f"ema: need global_batch >= 1 and half_life_kimg > 0, got {global_batch}, {half_life_kimg}")
+    return 0.5 ** (global_batch / (half_life_kimg * 1000.0))
+
+
+def lazy_regularization_hparams(lr: float, betas, interval: int | None):
+    """Adam lr and betas for an optimizer that also takes a regularisation step every ``interval``
+    steps: ``lr * c`` and ``beta ** c`` with ``c = interval / (interval + 1)``."""
+    if not interval:
+        return lr, tuple(betas)
+    c = interval / (interval + 1)
+    return lr * c, tuple(b**c for b in betas)
+
+
+# ---------------------------------------------------------------------------------------------
+# DiffAugment (for bCR): differentiable, per-sample random flip / translation / colour / cutout
+# ---------------------------------------------------------------------------------------------
+
+
+def _flip(x):
+    mask = torch.rand(x.shape[0], 1, 1, 1, device=x.device) < 0.5
+    return torch.where(mask, x.flip(-1), x)
+
+
+def _brightness(x):
+    return x + (torch.rand(x.shape[0], 1, 1, 1, dtype=x.dtype, device=x.device) - 0.5)
+
+
+def _saturation(x):
+    mean = x.mean(dim=1, keepdim=True)
+    return (x - mean) * (torch.rand(x.shape[0], 1, 1, 1, dtype=x.dtype, device=x.device) * 2) + mean
+
+
+def _contrast(x):
+    mean = x.mean(dim=(1, 2, 3), keepdim=True)
+    return (x - mean) * (torch.rand(x.shape[0], 1, 1, 1, dtype=x.dtype, device=x.device) + 0.5) + mean
+
+
+def _translation(x, ratio: float = 0.125):
+    """Shifts each sample by up to ``ratio`` of its size, filling with zeros."""
+    b, _, h, w = x.shape
+    sy, sx = int(h * ratio + 0.5), int(w * ratio + 0.5)
+    dy = torch.randint(-sy, sy + 1, (b, 1, 1), device=x.device)
+    dx = torch.randint(-sx, sx + 1, (b, 1, 1), device=x.device)
+    rows = torch.arange(h, device=x.device)[None, :, None] + dy + 1  # index into the 1-padded image
+    cols = torch.arange(w, device=x.device)[None, None, :] + dx + 1
+    rows, cols = rows.clamp(0, h + 1), cols.clamp(0, w + 1)
+    padded = F.pad(x, (1, 1, 1, 1))
+    batch = torch.arange(b, device=x.device)[:, None, None]
+    return padded.permute(0, 2, 3, 1)[batch, rows.expand(b, h, w), cols.expand(b, h, w)].permute(0, 3, 1, 2)
+
+
+def _cutout(x, ratio: float = 0.5):
+    """Zeros one random square of ``ratio`` x the size per sample (may extend past the border)."""
+    b, _, h, w = x.shape
+    ch, cw = int(h * ratio + 0.5), int(w * ratio + 0.5)
+    cy = torch.randint(0, h + (1 - ch % 2), (b, 1, 1), device=x.device)
+    cx = torch.randint(0, w + (1 - cw % 2), (b, 1, 1), device=x.device)
+    top, left = cy - ch // 2, cx - cw // 2
+    rows = torch.arange(h, device=x.device)[None, :, None]
+    cols = torch.arange(w, device=x.device)[None, None, :]
+    inside = (rows >= top) & (rows < top + ch) & (cols >= left) & (cols < left + cw)
+    return x * (~inside).unsqueeze(1).to(x.dtype)
+
+
+_AUGMENTS = {
+    "flip": [_flip],
+    "translation": [_translation],
+    "color": [_brightness, _saturation, _contrast],
+    "cutout": [_cutout],
+}
+
+
+def diff_augment(x: torch.Tensor, policy: str = "flip,translation,color,cutout") -> torch.Tensor:
+    """Differentiable augmentation (DiffAugment policies ``flip``, ``translation``, ``color``,
+    ``cutout``, comma separated) applied with independent randomness per sample."""
+    for name in [p.strip() for p in policy.split(",") if p.strip()]:
+        if name not in _AUGMENTS:
+            raise ValueError(f"diffaug_policy: unknown augmentation {name!r}; choose from {sorted(_AUGMENTS)}")
+        for fn in _AUGMENTS[name]:
+            x = fn(x)
+    return x.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Building / loading generators
+# ---------------------------------------------------------------------------------------------
+
+
+def build_generator(cfg: Mapping[str, Any] | nn.Module) -> nn.Module:
+    """A generator from keyword arguments of :class:`StyleNATGenerator` (or a module, returned as is)."""
+    return cfg if isinstance(cfg, nn.Module) else StyleNATGenerator(**dict(cfg))
+
+
+def build_discriminator(cfg: Mapping[str, Any] | nn.Module) -> nn.Module:
+    return cfg if isinstance(cfg, nn.Module) else StyleNATDiscriminator(**dict(cfg))
+
+
+def load_generator(path: str, which: str = "g_ema", generator_cfg: Mapping[str, Any] | None = None,
+                   map_location="cpu", w_avg_samples: int = 10000) -> StyleNATGenerator:
+    """A generator (eval mode) from a checkpoint file.
+
+    Reads our Lightning checkpoints (configuration from their hyper-parameters unless
+    ``generator_cfg`` is given) and the released StyleNAT files (``generator_cfg`` describes the
+    model; default: FFHQ-256).  ``which``: ``g_ema`` (default) or ``g``.
+    """
+    if which not in ("g", "g_ema"):
+        raise ValueError(f"which: expected 'g' or 'g_ema', got {which!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint: file {path!r} does not exist")
+    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    ours = "state_dict" in ckpt and "hyper_parameters" in ckpt
+    if ours:
+        cfg = generator_cfg if generator_cfg is not None else ckpt["hyper_parameters"].get("generator")
+        if cfg is None:
+            raise ValueError("generator_cfg: the checkpoint stores no generator configuration; pass generator_cfg")
+        gen = build_generator(cfg)
+        prefix = "ema.module." if which == "g_ema" else "generator."
+        state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+        gen.load_state_dict(state)
+    else:
+        gen = build_generator(generator_cfg or {"size": 256})
+        load_official_generator(gen, ckpt, which, w_avg_samples=w_avg_samples)
+    return gen.eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning module
+# ---------------------------------------------------------------------------------------------
+
+
+class GANTask(L.LightningModule):
+    """StyleNAT GAN training.
+
+    Args:
+        generator / discriminator: keyword arguments of :class:`StyleNATGenerator` /
+            :class:`StyleNATDiscriminator` (stored in the checkpoint's hyper-parameters).
+        lr_d: discriminator lr (2e-4); lr_g: generator lr (default ``lr_d / 4`` with ``ttur``,
+            else ``lr_d``).
+        betas: Adam betas (0, 0.99).
+        r1_gamma, r1_interval: R1 weight (10) and lazy interval in D steps (16; 0/None = off).
+        ema_half_life_kimg: G EMA half-life in thousands of images (10).
+        bcr, bcr_real, bcr_fake, diffaug_policy: balanced consistency regularisation.
+        d_clip, g_clip: gradient-norm clipping (5.0 for D in the release; None = off).
+        style_mixing_prob: probability of mixing two latents in a G forward (0 in the release).
+        lr_decay_start_kimg, lr_decay_end_kimg: linear lr decay to 0 over this kimg range (off when None).
+        max_kimg: stop once this many thousand images were seen (Lightning's ``max_steps`` counts
+            every optimizer step, 2-3 per batch here; use this instead).
+        sample_every_n_steps, sample_grid, sample_seed: PNG grids of G EMA samples under the log dir
+            every n training steps (batches).
+    """
+
+    def __init__(self, generator: Mapping[str, Any] | None = None, discriminator: Mapping[str, Any] | None = None,
+                 lr_d: float = 2e-4, lr_g: float | None = None, ttur: bool = True, betas=(0.0, 0.99),
+                 r1_gamma: float = 10.0, r1_interval: int | None = 16, ema_half_life_kimg: float = 10.0,
+                 bcr: bool = False, bcr_real: float = 10.0, bcr_fake: float = 10.0,
+                 diffaug_policy: str = "flip,translation,color,cutout", d_clip: float | None = 5.0,
+                 g_clip: float | None = None, style_mixing_prob: float = 0.0,
+                 lr_decay_start_kimg: float | None = None, lr_decay_end_kimg: float | None = None,
+                 max_kimg: float | None = None, sample_every_n_steps: int = 0, sample_grid: int = 16,
+                 sample_seed: int = 0):
+        super().__init__()
+        generator = dict(generator or {"size": 64})
+        discriminator = dict(discriminator or {"size": generator.get("size", 64)})
+        if generator.get("size", 256) != discriminator.get("size", 256):
+            raise ValueError(f"discriminator: size {discriminator.get('size')} differs from the generator's "
+                             f"{generator.get('size')}")
+        if r1_interval is not None and r1_interval < 0:
+            raise ValueError(f"r1_interval: expected >= 0 or None, got {r1_interval}")
+        if not 0 <= style_mixing_prob <= 1:
+            raise ValueError(f"style_mixing_prob: expected a probability, got {style_mixing_prob}")
+        if (lr_decay_start_kimg is None) != (lr_decay_end_kimg is None) or (
+                lr_decay_start_kimg is not None and lr_decay_end_kimg <= lr_decay_start_kimg):
+            raise ValueError("lr_decay_start_kimg: give both lr_decay_start_kimg < lr_decay_end_kimg, or neither")
+        if bcr:
+            diff_augment(torch.zeros(1, 3, 8, 8), diffaug_policy)  # validates the policy early
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.generator = build_generator(generator)
+        self.discriminator = build_discriminator(discriminator)
+        # G EMA: timm's ModelEmaV3 (parameters and buffers, e.g. w_avg); decay set per step.
+        self.ema = ModelEmaV3(self.generator, decay=0.999)
+        self.ema.module.requires_grad_(False)
+        self.lr_g = lr_g if lr_g is not None else (lr_d / 4 if ttur else lr_d)
+        self.lr_d = lr_d
+        # Progress counters live in buffers so they are checkpointed and restored with the weights.
+        self.register_buffer("images_seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("d_steps", torch.zeros((), dtype=torch.long))
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.ema.module.eval()  # the EMA copy is never trained (and must not update its w_avg)
+        return self
+
+    @property
+    def g_ema(self) -> nn.Module:
+        return self.ema.module
+
+    @property
+    def kimg(self) -> float:
+        return float(self.images_seen) / 1000.0
+
+    # --- optimizers ------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        betas = tuple(self.hparams.betas)
+        lr_d, betas_d = lazy_regularization_hparams(self.lr_d, betas, self.hparams.r1_interval)
+        opt_g = torch.optim.Adam(self.generator.parameters(), lr=self.lr_g, betas=betas)
+        opt_d = torch.optim.Adam(self.discriminator.parameters(), lr=lr_d, betas=betas_d)
+        for opt in (opt_g, opt_d):
+            for group in opt.param_groups:
+                group["base_lr"] = group["lr"]
+        return [opt_g, opt_d]
+
+    def lr_factor(self) -> float:
+        start, end = self.hparams.lr_decay_start_kimg, self.hparams.lr_decay_end_kimg
+        if start is None:
+            return 1.0
+        return min(1.0, max(0.0, 1.0 - (self.kimg - start) / (end - start)))
+
+    # --- training --------------------------------------------------------------------------
+
+    def _latents(self, batch: int):
+        style_dim = self.generator.style_dim
+        z = torch.randn(batch, style_dim, device=self.device)
+        if self.hparams.style_mixing_prob > 0 and torch.rand(()) < self.hparams.style_mixing_prob:
+            return z, torch.randn(batch, style_dim, device=self.device)
+        return z, None
+
+    def _generate(self, batch: int):
+        z, mix_z = self._latents(batch)
+        return self.generator(z, mix_z=mix_z)
+
+    def _clip(self, opt, value):
+        if value:
+            self.clip_gradients(opt, gradient_clip_val=value, gradient_clip_algorithm="norm")
+
+    def training_step(self, batch, batch_idx):
+        real = batch[0] if isinstance(batch, (list, tuple)) else batch
+        b = real.shape[0]
+        opt_g, opt_d = self.optimizers()
+        hp = self.hparams
+        factor = self.lr_factor()
+        for opt in (opt_g, opt_d):
+            for group in opt.optimizer.param_groups if hasattr(opt, "optimizer") else opt.param_groups:
+                group["lr"] = group["base_lr"] * factor
+
+        # Discriminator step.
+        self.toggle_optimizer(opt_d)
+        with torch.no_grad():
+            fake = self._generate(b)
+        real_pred = self.discriminator(real)
+        fake_pred = self.discriminator(fake)
+        d_loss = d_logistic_loss(real_pred, fake_pred)
+        logs = {"loss/d": d_loss.detach(), "d/real": real_pred.detach().mean(), "d/fake": fake_pred.detach().mean()}
+        if hp.bcr:
+            real_aug = self.discriminator(diff_augment(real, hp.diffaug_policy))
+            fake_aug = self.discriminator(diff_augment(fake, hp.diffaug_policy))
+            bcr = hp.bcr_real * F.mse_loss(real_aug, real_pred) + hp.bcr_fake * F.mse_loss(fake_aug, fake_pred)
+            d_loss = d_loss + bcr
+            logs["loss/bcr"] = bcr.detach()
+        opt_d.zero_grad(set_to_none=True)
+        self.manual_backward(d_loss)
+        self._clip(opt_d, hp.d_clip)
+        opt_d.step()
+
+        # Lazy R1 on real images, every r1_interval D steps (including the first).
+        if hp.r1_interval and hp.r1_gamma > 0 and int(self.d_steps) % hp.r1_interval == 0:
+            real_r = real.detach().requires_grad_(True)
+            pred = self.discriminator(real_r)
+            r1 = r1_penalty(pred, real_r)
+            opt_d.zero_grad(set_to_none=True)
+            # `0 * pred[0]` keeps every D output in the graph (DDP needs all parameters used).
+            self.manual_backward(hp.r1_gamma / 2 * r1 * hp.r1_interval + 0 * pred[0].sum())
+            opt_d.step()
+            logs["loss/r1"] = r1.detach()
+        self.untoggle_optimizer(opt_d)
+        self.d_steps += 1
+
+        # Generator step.
+        self.toggle_optimizer(opt_g)
+        g_loss = g_nonsaturating_loss(self.discriminator(self._generate(b)))
+        opt_g.zero_grad(set_to_none=True)
+        self.manual_backward(g_loss)
+        self._clip(opt_g, hp.g_clip)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+        logs["loss/g"] = g_loss.detach()
+
+        global_batch = b * self.trainer.world_size
+        self.ema.decay = ema_decay(global_batch, hp.ema_half_life_kimg)
+        self.ema.update(self.generator)
+        self.images_seen += global_batch
+        logs["kimg"] = torch.tensor(self.kimg)
+        logs["lr/g"] = torch.tensor(opt_g.param_groups[0]["lr"])
+        self.log_dict(logs, prog_bar=False, on_step=True, on_epoch=False, sync_dist=False)
+        self.log("g", logs["loss/g"], prog_bar=True, logger=False)
+        self.log("d", logs["loss/d"], prog_bar=True, logger=False)
+        if hp.sample_every_n_steps and int(self.d_steps) % hp.sample_every_n_steps == 0:
+            self.save_samples()
+        if hp.max_kimg is not None and self.kimg >= hp.max_kimg:
+            self.trainer.should_stop = True
+        return d_loss.detach()
+
+    # --- samples ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def save_samples(self, path: str | None = None) -> str | None:
+        """Writes a grid of G-EMA samples (fixed seed) as PNG; returns the path (rank 0 only)."""
+        if self.trainer is not None and not self.trainer.is_global_zero:
+            return None
+        from namodels.tasks.generate import save_grid
+
+        n = self.hparams.sample_grid
+        if path is None:
+            root = (self.trainer.log_dir if self.trainer is not None and self.trainer.log_dir else None) or "."
+            path = os.path.join(root, "samples", f"kimg{self.kimg:09.3f}.png")
+        imgs = self.g_ema.sample(n, seed=self.hparams.sample_seed, device=self.device)
+        save_grid(imgs, path, nrow=int(math.ceil(math.sqrt(n))))
+        return path
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The release's layout, referencing the same tensors as `state_dict` / `optimizer_states`.
+        state = checkpoint.get("state_dict", {})
+
+        def part(prefix):
+            return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+        checkpoint["state_dicts"] = {"g": part("generator."), "g_ema": part("ema.module."), "d": part("discriminator.")}
+        optim = checkpoint.get("optimizer_states") or []
+        if len(optim) == 2:
+            checkpoint["optim_dicts"] = {"g_optim": optim[0], "d_optim": optim[1]}
+        checkpoint["kimg"] = self.kimg
+

@@ -1,0 +1,59 @@
+"""Sampling from a trained generator: a PNG grid plus one PNG per seed.
+
+Every image is a function of its seed only (``z`` drawn from ``torch.Generator().manual_seed(seed)``
+on CPU), so ``seed0042.png`` is the same image whatever the batch size or device.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import torch
+from torchvision.utils import save_image
+
+from namodels.data.images import to_unit_range
+
+__all__ = ["save_grid", "generate_images"]
+
+
+def save_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> str:
+    """Writes generator outputs ``[N, 3, H, W]`` (about [-1, 1]) as one PNG grid."""
+    if images.dim() != 4 or images.shape[1] != 3:
+        raise ValueError(f"images: expected [N, 3, H, W], got {tuple(images.shape)}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    nrow = nrow or int(math.ceil(math.sqrt(images.shape[0])))
+    save_image(to_unit_range(images.detach().cpu()), path, nrow=nrow, padding=2)
+    return path
+
+
+@torch.no_grad()
+def generate_images(generator, out_dir: str, num_images: int = 16, seeds: Sequence[int] | None = None,
+                    seed: int = 0, truncation: float = 1.0, batch_size: int = 8, grid: bool = True,
+                    individual: bool = True, device=None) -> dict:
+    """Generates images for ``seeds`` (default ``seed .. seed + num_images - 1``) with the
+    truncation trick at ``truncation`` (1 = off).
+
+    Writes ``out_dir/grid.png`` and ``out_dir/seed%06d.png``; returns ``{"grid": path | None,
+    "images": [paths], "seeds": [...]}``.
+    """
+    if not 0 <= truncation <= 1.5:
+        raise ValueError(f"truncation: expected psi in [0, 1.5], got {truncation}")
+    seeds = list(seeds) if seeds is not None else list(range(seed, seed + num_images))
+    if not seeds:
+        raise ValueError("num_images: nothing to generate")
+    device = device or next(generator.parameters()).device
+    generator.eval()
+    z = generator.seeded_latents(seeds)
+    images = torch.cat([generator(z[i:i + batch_size].to(device), truncation=truncation).float().cpu()
+                        for i in range(0, len(seeds), batch_size)])
+    os.makedirs(out_dir, exist_ok=True)
+    result = {"grid": None, "images": [], "seeds": seeds}
+    if grid:
+        result["grid"] = save_grid(images, os.path.join(out_dir, "grid.png"))
+    if individual:
+        for s, img in zip(seeds, images):
+            path = os.path.join(out_dir, f"seed{s:06d}.png")
+            save_image(to_unit_range(img), path)
+            result["images"].append(path)
+    return result
