@@ -26,9 +26,12 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
+import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
+
+from .moving_digits import MovingDigits
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 VIDEO_EXTENSIONS = (".gif", ".mp4", ".avi", ".mkv", ".mov", ".webm")
@@ -137,11 +140,13 @@ class VideoClips(Dataset):
         sampling: 'random' (random start per item) or 'uniform' (evenly spaced, deterministic).
         center_crop: crop the largest centred square before resizing.
         grayscale: one channel (ITU-R 601 luma) instead of RGB.
+        subset: ``(start, stop)`` fractions of the sorted video list to use (e.g. ``(0.9, 1.0)``
+            holds the last 10 % of the videos out for validation).
     """
 
     def __init__(self, root: str, num_frames: int = 16, frame_stride: int = 1, image_size=64,
                  clips_per_video: int = 1, sampling: str = "uniform", center_crop: bool = True,
-                 grayscale: bool = False):
+                 grayscale: bool = False, subset: Sequence[float] = (0.0, 1.0)):
         if num_frames < 1 or frame_stride < 1 or clips_per_video < 1:
             raise ValueError("num_frames: num_frames, frame_stride and clips_per_video must be >= 1")
         if sampling not in SAMPLINGS:
@@ -149,7 +154,10 @@ class VideoClips(Dataset):
         self.num_frames, self.frame_stride, self.clips_per_video = num_frames, frame_stride, clips_per_video
         self.image_size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
         self.sampling, self.center_crop, self.grayscale = sampling, center_crop, grayscale
+        if len(subset) != 2 or not 0.0 <= subset[0] < subset[1] <= 1.0:
+            raise ValueError(f"subset: expected (start, stop) with 0 <= start < stop <= 1, got {tuple(subset)}")
         videos, self.classes = discover_videos(root)
+        videos = videos[round(subset[0] * len(videos)):round(subset[1] * len(videos))]
         span = (num_frames - 1) * frame_stride + 1
         self.videos = [v for v in videos if len(v) >= span]
         self.skipped = len(videos) - len(self.videos)
@@ -189,3 +197,104 @@ class VideoClips(Dataset):
         start = self._start(video, index % self.clips_per_video)
         frames = video.read(range(start, start + self.span, self.frame_stride))
         return self._resize(frames), video.label
+
+
+# --------------------------------------------------------------------------------------------- data module
+
+DEFAULT_DATA = dict(
+    name=None, source="moving_digits", channels=None, num_classes=10, img_size=32, num_frames=10,
+    batch_size=16, val_batch_size=None, num_workers=0, pin_memory=False,
+    # moving digits
+    train_clips=100000, val_clips=256, num_digits=2, digit_scale=1, speed=(1.0, 3.0),
+    # frame folders / video files
+    root=None, val_root=None, val_fraction=0.1, frame_stride=1, clips_per_video=4, val_clips_per_video=1,
+    center_crop=True, grayscale=False,
+)
+SOURCES = ("moving_digits", "folder")
+
+
+def check_data_config(data: dict) -> dict:
+    """Fills defaults and checks a video ``data`` config; raises ``ValueError`` naming the key."""
+    from ..utils.checks import check_choice, check_range
+
+    cfg = {**DEFAULT_DATA, **dict(data)}
+    unknown = set(cfg) - set(DEFAULT_DATA)
+    if unknown:
+        raise ValueError(f"data: unknown keys {sorted(unknown)} for a video data config; known: {sorted(DEFAULT_DATA)}")
+    check_choice("data.source", cfg["source"], SOURCES)
+    for key in ("img_size", "num_frames", "batch_size", "train_clips", "val_clips", "num_digits", "digit_scale",
+                "frame_stride", "clips_per_video", "val_clips_per_video"):
+        check_range(f"data.{key}", cfg[key], 1, integer=True)
+    check_range("data.num_frames", cfg["num_frames"], 2, integer=True)  # next-frame targets need 2 frames
+    check_range("data.val_batch_size", cfg["val_batch_size"], 1, integer=True, allow_none=True)
+    check_range("data.num_workers", cfg["num_workers"], 0, integer=True)
+    check_range("data.num_classes", cfg["num_classes"], 0, integer=True)
+    check_range("data.val_fraction", cfg["val_fraction"], 0, 1, low_open=True, high_open=True)
+    natural = 1 if cfg["source"] == "moving_digits" or cfg["grayscale"] else 3
+    if cfg["channels"] is None:
+        cfg["channels"] = natural
+    elif cfg["channels"] != natural:
+        raise ValueError(f"data.channels: the {cfg['source']} source gives {natural} channel(s), got {cfg['channels']}")
+    if cfg["source"] == "folder" and not cfg["root"]:
+        raise ValueError("data.root: source=folder needs data.root=<folder of frame folders / video files>")
+    return cfg
+
+
+class VideoDataModule(L.LightningDataModule):
+    """Train/val clip loaders for a video ``data`` config (``configs/data/moving_digits.yaml``,
+    ``configs/data/video_folder.yaml``).  Batches are ``(clips [B, T, C, H, W], labels [B])``.
+
+    Validation clips are held out: moving digits use other sprites and seeds (split ``val``);
+    folders use ``val_root`` or, without it, the last ``val_fraction`` of the videos (sorted order).
+    """
+
+    def __init__(self, data: dict, seed: int = 0):
+        super().__init__()
+        self.cfg = check_data_config(data)
+        self.seed = int(seed)
+        self.train_set = self.val_set = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.cfg["batch_size"])
+
+    def _datasets(self):
+        c = self.cfg
+        if c["source"] == "moving_digits":
+            common = dict(num_frames=c["num_frames"], image_size=c["img_size"], num_digits=c["num_digits"],
+                          digit_scale=c["digit_scale"], speed=tuple(c["speed"]), seed=self.seed)
+            return (MovingDigits(c["train_clips"], split="train", **common),
+                    MovingDigits(c["val_clips"], split="val", **common))
+        common = dict(num_frames=c["num_frames"], frame_stride=c["frame_stride"], image_size=c["img_size"],
+                      center_crop=c["center_crop"], grayscale=c["grayscale"])
+        if c["val_root"]:
+            train = VideoClips(c["root"], clips_per_video=c["clips_per_video"], sampling="random", **common)
+            val = VideoClips(c["val_root"], clips_per_video=c["val_clips_per_video"], sampling="uniform", **common)
+        else:
+            cut = 1.0 - c["val_fraction"]
+            train = VideoClips(c["root"], clips_per_video=c["clips_per_video"], sampling="random",
+                               subset=(0.0, cut), **common)
+            val = VideoClips(c["root"], clips_per_video=c["val_clips_per_video"], sampling="uniform",
+                             subset=(cut, 1.0), **common)
+        return train, val
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = self._datasets()
+
+    def _loader(self, dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        workers = int(self.cfg["num_workers"])
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle, generator=generator,
+                          num_workers=workers, persistent_workers=workers > 0,
+                          pin_memory=bool(self.cfg["pin_memory"]) and torch.cuda.is_available())
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        if len(self.train_set) < self.batch_size:
+            raise ValueError(f"data.batch_size: {self.batch_size} exceeds the {len(self.train_set)} training clips")
+        return self._loader(self.train_set, self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup("validate")
+        return self._loader(self.val_set, int(self.cfg["val_batch_size"] or self.batch_size), shuffle=False)

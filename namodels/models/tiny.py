@@ -3,8 +3,8 @@
 Same structure as NAT (conv stem, levels of neighborhood-attention blocks with relative positional
 bias, a strided-conv downsampler at the end of each level but the last, LayerNorm + mean pool +
 linear head), scaled down for the 8x8 sklearn digits upsampled to 32x32: the stem brings 32x32 to
-16x16 tokens, level 0 runs 7x7 windows with dilations 1 and 2 at 16x16, level 1 runs 5x5 windows at
-8x8.  Attention goes through the project's own kernels (``ops.NeighborhoodAttention2D``), so the
+8x8 tokens (as NAT's two stride-2 convs), level 0 runs a 5x5 window then a 3x3 window with dilation
+2 at 8x8, level 1 runs 3x3 windows at 4x4.  Small on purpose: the naive CPU backend is slow.  Attention goes through the project's own kernels (``ops.NeighborhoodAttention2D``), so the
 default run exercises them; on CPU that is the naive/gemm backends.
 
 >>> import timm, namodels
@@ -30,7 +30,7 @@ class _Stem(nn.Module):
     def __init__(self, in_chans: int, dim: int):
         super().__init__()
         self.proj = nn.Sequential(
-            nn.Conv2d(in_chans, dim // 2, 3, stride=1, padding=1),
+            nn.Conv2d(in_chans, dim // 2, 3, stride=2, padding=1),
             nn.Conv2d(dim // 2, dim, 3, stride=2, padding=1),
         )
         self.norm = nn.LayerNorm(dim)
@@ -68,11 +68,11 @@ class _Block(nn.Module):
 
 
 class _Level(nn.Module):
-    def __init__(self, dim, out_dim, depth, num_heads, kernel_size, dilations, mlp_ratio, drop_paths, backend):
+    def __init__(self, dim, out_dim, num_heads, kernel_sizes, dilations, mlp_ratio, drop_paths, backend):
         super().__init__()
         self.blocks = nn.Sequential(*[
-            _Block(dim, num_heads, kernel_size, dilations[i % len(dilations)], mlp_ratio, drop_paths[i], backend)
-            for i in range(depth)
+            _Block(dim, num_heads, k, d, mlp_ratio, p, backend)
+            for k, d, p in zip(kernel_sizes, dilations, drop_paths)
         ])
         self.downsample = _Downsample(dim, out_dim) if out_dim else nn.Identity()
 
@@ -88,11 +88,10 @@ class TinyNAT(nn.Module):
         img_size: int = 32,
         in_chans: int = 3,
         num_classes: int = 10,
-        embed_dim: int = 48,
-        depths: Sequence[int] = (2, 2),
+        embed_dim: int = 32,
         num_heads: Sequence[int] = (2, 4),
-        kernel_sizes: Sequence[int] = (7, 5),
-        dilations: Sequence[Sequence[int]] = ((1, 2), (1,)),
+        kernel_sizes: Sequence[Sequence[int]] = ((5, 3), (3, 3)),
+        dilations: Sequence[Sequence[int]] = ((1, 2), (1, 1)),
         mlp_ratio: float = 2.0,
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
@@ -100,8 +99,11 @@ class TinyNAT(nn.Module):
         backend: str | None = None,
     ):
         super().__init__()
-        if not (len(depths) == len(num_heads) == len(kernel_sizes) == len(dilations)):
-            raise ValueError("depths: depths, num_heads, kernel_sizes and dilations need one entry per level")
+        if not len(num_heads) == len(kernel_sizes) == len(dilations):
+            raise ValueError("kernel_sizes: num_heads, kernel_sizes and dilations need one entry per level")
+        if any(len(k) != len(d) for k, d in zip(kernel_sizes, dilations)):
+            raise ValueError("dilations: each level needs one dilation per block (one per kernel size)")
+        depths = [len(k) for k in kernel_sizes]
         if global_pool not in ("avg", ""):
             raise ValueError(f"global_pool: expected 'avg' or '', got {global_pool!r}")
         self.num_classes, self.global_pool, self.grad_checkpointing = num_classes, global_pool, False
@@ -110,13 +112,13 @@ class TinyNAT(nn.Module):
         widths = [embed_dim * 2 ** i for i in range(len(depths))]
         self.levels = nn.Sequential()
         self.feature_info = []
-        for i, depth in enumerate(depths):
+        for i in range(len(depths)):
             last = i == len(depths) - 1
             self.levels.append(_Level(
-                widths[i], None if last else widths[i + 1], depth, num_heads[i], kernel_sizes[i], dilations[i],
+                widths[i], None if last else widths[i + 1], num_heads[i], kernel_sizes[i], dilations[i],
                 mlp_ratio, rates[sum(depths[:i]):sum(depths[:i + 1])], backend,
             ))
-            self.feature_info.append(dict(num_chs=widths[i + (not last)], reduction=2 * 2 ** (i + (not last)),
+            self.feature_info.append(dict(num_chs=widths[i + (not last)], reduction=4 * 2 ** (i + (not last)),
                                           module=f"levels.{i}"))
         self.num_features = self.head_hidden_size = widths[-1]
         self.norm = nn.LayerNorm(self.num_features)
@@ -182,7 +184,7 @@ class TinyNAT(nn.Module):
 default_cfgs = generate_default_cfgs({
     # No hosted weights: load a file of ours with pretrained_cfg_overlay=dict(file=...).
     "nat_digits.untrained": dict(
-        url="", num_classes=10, input_size=(3, 32, 32), pool_size=(8, 8), crop_pct=1.0,
+        url="", num_classes=10, input_size=(3, 32, 32), pool_size=(4, 4), crop_pct=1.0,
         interpolation="bilinear", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
         first_conv="patch_embed.proj.0", classifier="head",
     ),

@@ -1,0 +1,198 @@
+"""Lightning data module for image classification (every ``data.format`` of :mod:`namodels.data.sources`).
+
+Augmentation is timm's ``create_transform`` (RandomResizedCrop, flips, color jitter, RandAugment,
+random erasing); mean/std, interpolation and crop_pct default to the model's pretrained config.
+
+Reproducibility: the training order depends only on ``(seed, epoch)`` and so do the dataloader worker
+seeds, so a run resumed from an end-of-epoch checkpoint sees the same batches as an uninterrupted
+one (the main-process RNGs are reseeded per epoch by the task module).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import lightning.pytorch as pl
+import torch
+from timm.data import create_transform
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
+
+from ..utils.checks import check_choice, check_range
+from .sources import FORMATS, SyntheticImages, build_splits
+
+log = logging.getLogger(__name__)
+
+DEFAULT_AUGMENT = dict(
+    scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), hflip=0.5, vflip=0.0, color_jitter=0.4, auto_augment=None,
+    interpolation="random", re_prob=0.0, re_mode="pixel", re_count=1,
+)
+DEFAULT_EVAL = dict(crop_pct=None, interpolation=None, mean=None, std=None)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A 63-bit seed for (run seed, epoch); distinct epochs give unrelated streams."""
+    return (int(seed) * 1_000_003 + int(epoch) * 7_919 + 12_345) % (2 ** 63)
+
+
+class EpochSampler(DistributedSampler):
+    """Shuffled, rank-sharded order that is a function of ``(seed, epoch)`` only (also for one process).
+
+    It also reseeds the data loader's generator on every ``set_epoch`` (Lightning calls it before each
+    epoch), so the worker seeds drawn from it follow the epoch too.  The epoch is set at construction
+    because the first epoch's iterator may be created before Lightning's ``set_epoch`` call.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, epoch: int, generator: torch.Generator):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self.loader_generator = generator
+        self.set_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.loader_generator.manual_seed(epoch_seed(self.seed, epoch))
+
+
+def collate_skipping(batch):
+    """Collates ``(image, target)`` pairs, dropping unreadable samples (``None``) and counting them.
+
+    Returns ``(images, targets, skipped)``, or ``None`` if every sample of the batch was unreadable.
+    """
+    kept = [sample for sample in batch if sample is not None]
+    skipped = torch.tensor(len(batch) - len(kept))
+    if not kept:
+        return None
+    images, targets = default_collate(kept)
+    return images, targets, skipped
+
+
+class ClassificationDataModule(pl.LightningDataModule):
+    """Train/val loaders for a ``data`` config (see ``configs/data/*.yaml`` for the keys)."""
+
+    def __init__(self, data: dict, seed: int = 0):
+        super().__init__()
+        self.cfg = self._checked(copy.deepcopy(dict(data)))
+        self.seed = int(seed)
+        self.model_defaults: dict = {}
+        self.train_set = self.val_set = None
+        self.skipped_images = 0
+
+    # ---- configuration -------------------------------------------------------------------------
+    @staticmethod
+    def _checked(cfg: dict) -> dict:
+        check_choice("data.format", cfg.get("format"), FORMATS)
+        check_range("data.num_classes", cfg.get("num_classes"), 1, integer=True)
+        check_range("data.img_size", cfg.get("img_size"), 1, integer=True)
+        check_range("data.batch_size", cfg.get("batch_size"), 1, integer=True)
+        check_range("data.val_batch_size", cfg.get("val_batch_size"), 1, integer=True, allow_none=True)
+        check_range("data.num_workers", cfg.get("num_workers", 0), 0, integer=True)
+        if cfg["format"] == "digits" and cfg["num_classes"] != 10:
+            raise ValueError(f"data.num_classes: the digits dataset has 10 classes, got {cfg['num_classes']}")
+        aug = {**DEFAULT_AUGMENT, **(cfg.get("augment") or {})}
+        unknown = set(aug) - set(DEFAULT_AUGMENT)
+        if unknown:
+            raise ValueError(f"data.augment: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_AUGMENT)}")
+        scale = aug["scale"]
+        if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+            raise ValueError(f"data.augment.scale: expected [low, high] with 0 < low <= high <= 1, got {scale}")
+        ratio = aug["ratio"]
+        if len(ratio) != 2 or not 0 < ratio[0] <= ratio[1]:
+            raise ValueError(f"data.augment.ratio: expected [low, high] with 0 < low <= high, got {ratio}")
+        for key in ("hflip", "vflip", "re_prob"):
+            check_range(f"data.augment.{key}", aug[key], 0, 1)
+        check_range("data.augment.color_jitter", aug["color_jitter"] or 0.0, 0)
+        check_range("data.augment.re_count", aug["re_count"], 1, integer=True)
+        check_choice("data.augment.re_mode", aug["re_mode"], ("const", "rand", "pixel"))
+        cfg["augment"] = aug
+        ev = {**DEFAULT_EVAL, **(cfg.get("eval") or {})}
+        unknown = set(ev) - set(DEFAULT_EVAL)
+        if unknown:
+            raise ValueError(f"data.eval: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_EVAL)}")
+        check_range("data.eval.crop_pct", ev["crop_pct"], 0, 1, low_open=True, allow_none=True)
+        cfg["eval"] = ev
+        return cfg
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.cfg["batch_size"])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.cfg["num_classes"])
+
+    def use_model_defaults(self, model_data_config: dict) -> None:
+        """Mean/std/interpolation/crop_pct from the model (timm ``resolve_model_data_config``)."""
+        self.model_defaults = dict(model_data_config)
+
+    def eval_settings(self) -> dict:
+        """The resolved evaluation preprocessing (what eval.py reports)."""
+        ev, md = self.cfg["eval"], self.model_defaults
+        pick = lambda key, default: ev[key] if ev[key] is not None else md.get(key, default)  # noqa: E731
+        return dict(
+            img_size=int(self.cfg["img_size"]),
+            crop_pct=float(pick("crop_pct", 0.875)),
+            interpolation=str(pick("interpolation", "bicubic")),
+            mean=tuple(pick("mean", (0.485, 0.456, 0.406))),
+            std=tuple(pick("std", (0.229, 0.224, 0.225))),
+        )
+
+    def transforms(self):
+        ev, aug = self.eval_settings(), self.cfg["augment"]
+        size = (3, ev["img_size"], ev["img_size"])
+        train = create_transform(
+            size, is_training=True, scale=tuple(aug["scale"]), ratio=tuple(aug["ratio"]), hflip=aug["hflip"],
+            vflip=aug["vflip"], color_jitter=aug["color_jitter"] or 0.0, auto_augment=aug["auto_augment"],
+            interpolation=aug["interpolation"], mean=ev["mean"], std=ev["std"], re_prob=aug["re_prob"],
+            re_mode=aug["re_mode"], re_count=aug["re_count"],
+        )
+        val = create_transform(size, is_training=False, interpolation=ev["interpolation"], mean=ev["mean"],
+                               std=ev["std"], crop_pct=ev["crop_pct"])
+        return train, val
+
+    # ---- Lightning hooks -------------------------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        self.train_set, self.val_set = build_splits(self.cfg)
+        found = len(self.train_set.classes)
+        if found > self.num_classes:
+            raise ValueError(
+                f"data.num_classes: {self.num_classes}, but the training split has {found} classes "
+                f"(first: {self.train_set.classes[:5]}); set data.num_classes={found}"
+            )
+        if found < self.num_classes:
+            log.warning("data.num_classes=%d but the training split has %d classes", self.num_classes, found)
+        if not isinstance(self.train_set, SyntheticImages):
+            self.train_set.transform, self.val_set.transform = self.transforms()
+        log.info("data %s: %d train / %d val images, %d classes", self.cfg.get("name", self.cfg["format"]),
+                 len(self.train_set), len(self.val_set), found)
+
+    def _distribution(self):
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 1, 0, 0
+        return trainer.world_size, trainer.global_rank, trainer.current_epoch
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        world, rank, epoch = self._distribution()
+        generator = torch.Generator()
+        sampler = EpochSampler(self.train_set, world, rank, self.seed, epoch, generator)
+        if len(sampler) < self.batch_size:
+            raise ValueError(
+                f"data.batch_size: {self.batch_size} exceeds the {len(sampler)} training images per process "
+                f"({len(self.train_set)} images over {world} processes); lower data.batch_size"
+            )
+        return self._loader(self.train_set, self.batch_size, sampler=sampler, generator=generator, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup("validate")
+        return self._loader(self.val_set, int(self.cfg.get("val_batch_size") or self.batch_size))
+
+    def _loader(self, dataset, batch_size, **kwargs) -> DataLoader:
+        workers = int(self.cfg.get("num_workers", 0))
+        return DataLoader(
+            dataset, batch_size=batch_size, num_workers=workers, collate_fn=collate_skipping,
+            pin_memory=bool(self.cfg.get("pin_memory", False)) and torch.cuda.is_available(),
+            # persistent workers would carry RNG state across epochs and break exact resumption
+            persistent_workers=False, prefetch_factor=4 if workers else None, **kwargs,
+        )

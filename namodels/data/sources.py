@@ -1,0 +1,231 @@
+"""Where classification images come from: the formats behind ``data.format``.
+
+Every source returns a :class:`LabeledImages` dataset of ``(PIL.Image, class index)`` pairs read by one
+of timm's readers (folders: ``ReaderImageFolder``; tar shards: ``ReaderImageInTar``), or built in
+memory (``digits``, ``synthetic``).  Files that cannot be decoded are returned as ``None`` and counted
+by the collate function instead of crashing the run.
+
+Formats (``data.format``):
+
+* ``digits``: sklearn's 8x8 handwritten digits (1797 real images, shipped with scikit-learn), upsampled
+  to ``data.img_size``; a fixed split by ``data.val_fraction`` and ``data.split_seed``.
+* ``folder``: ImageNet layout, ``root/<train_split>/<class>/*.JPEG`` and ``root/<val_split>/<class>/*``.
+* ``tar``: the same as tar files: ``root/<split>.tar`` (a tar of class folders, or a tar of per-class
+  tars such as ``ILSVRC2012_img_train.tar``) or a folder ``root/<split>/`` of per-class ``<class>.tar``
+  shards.
+* ``image_folder``: one folder of class sub-folders, ``root/<class>/*``, split by ``data.val_fraction``.
+* ``synthetic``: random image tensors of the configured size and class count (throughput runs; no
+  decoding, no augmentation).
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data.readers.img_extensions import get_img_extensions
+from timm.data.readers.reader_image_folder import ReaderImageFolder
+from timm.data.readers.reader_image_in_tar import ReaderImageInTar
+from torch.utils.data import Dataset
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("digits", "folder", "tar", "image_folder", "synthetic")
+
+
+class DatasetLayoutError(ValueError):
+    """The dataset path is missing or not laid out as the chosen ``data.format`` expects."""
+
+
+_LAYOUTS = {
+    "folder": "an ImageNet-style folder: {root}/{train}/<class>/<image> and {root}/{val}/<class>/<image>",
+    "tar": ("tar shards: {root}/{train}.tar and {root}/{val}.tar (a tar of <class>/ folders or of <class>.tar "
+            "files), or folders {root}/{train}/ and {root}/{val}/ of <class>.tar shards"),
+    "image_folder": "one folder of class sub-folders: {root}/<class>/<image>",
+}
+
+
+def _layout(fmt: str, root: str, train: str, val: str) -> str:
+    return _LAYOUTS[fmt].format(root=root, train=train, val=val)
+
+
+class LabeledImages(Dataset):
+    """``(image, target)`` pairs from a timm reader; ``None`` for a file PIL cannot decode."""
+
+    def __init__(self, reader, indices: Sequence[int] | None = None, transform: Callable | None = None,
+                 classes: Sequence[str] = ()):
+        self.reader = reader
+        self.indices = None if indices is None else np.asarray(indices)
+        self.transform = transform
+        self.classes = list(classes)
+
+    def __len__(self) -> int:
+        return len(self.reader) if self.indices is None else len(self.indices)
+
+    def __getitem__(self, index: int):
+        index = int(index if self.indices is None else self.indices[index])
+        source, target = self.reader[index]
+        try:
+            image = source if isinstance(source, Image.Image) else Image.open(source)
+            image = image.convert("RGB")  # decodes now, so a truncated file fails here, not in a transform
+        except (OSError, SyntaxError, ValueError) as err:  # PIL raises these for unreadable/truncated files
+            log.warning("skipping unreadable image %s: %s", self.filename(index), err)
+            return None
+        return (self.transform(image) if self.transform is not None else image), int(target)
+
+    def filename(self, index: int) -> str:
+        try:
+            return str(self.reader._filename(index))
+        except Exception:  # in-memory readers have no file names
+            return f"#{index}"
+
+
+class _ArrayReader:
+    """A reader over in-memory images (uint8 ``[N, H, W, C]``) with the timm reader interface."""
+
+    def __init__(self, images: np.ndarray, targets: np.ndarray):
+        self.images, self.targets = images, targets
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        return Image.fromarray(self.images[index]), int(self.targets[index])
+
+    def _filename(self, index):
+        return f"#{index}"
+
+
+def fixed_split(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic train/val index split (independent of the training seed)."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction: must be in (0, 1), got {val_fraction}")
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = max(1, int(round(n * val_fraction)))
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def digits_arrays(img_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """sklearn digits (values 0..16 on 8x8) as uint8 RGB ``[N, img_size, img_size, 3]`` and targets."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.from_numpy(digits.images).float().div(16.0).unsqueeze(1)  # [N, 1, 8, 8] in [0, 1]
+    images = torch.nn.functional.interpolate(images, size=(img_size, img_size), mode="bilinear",
+                                             align_corners=False)
+    images = images.clamp(0, 1).mul(255).round().to(torch.uint8).expand(-1, 3, -1, -1)
+    return images.permute(0, 2, 3, 1).contiguous().numpy(), digits.target.astype(np.int64)
+
+
+def _require_dir(path: str, what: str, layout: str):
+    if not os.path.exists(path):
+        raise DatasetLayoutError(f"data.root: {what} {path!r} does not exist; expected {layout}")
+
+
+def _folder_reader(path: str, layout: str, class_to_idx: dict | None):
+    if not os.path.isdir(path):
+        raise DatasetLayoutError(f"data.root: split folder {path!r} does not exist; expected {layout}")
+    class_dirs = [d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))]
+    if not class_dirs:
+        loose = [f for f in os.listdir(path) if os.path.splitext(f)[1].lower() in get_img_extensions(as_set=True)]
+        hint = f" (found {len(loose)} images directly in it: put them in one folder per class)" if loose else ""
+        raise DatasetLayoutError(f"data.root: {path!r} has no class sub-folders{hint}; expected {layout}")
+    reader = ReaderImageFolder(path, class_map=class_to_idx or "")
+    if len(reader) == 0:
+        raise DatasetLayoutError(
+            f"data.root: no images ({', '.join(sorted(get_img_extensions()))}) under {path!r}; expected {layout}"
+        )
+    return reader
+
+
+def _tar_reader(root: str, split: str, layout: str, class_to_idx: dict | None):
+    as_file, as_dir = os.path.join(root, split + ".tar"), os.path.join(root, split)
+    if os.path.isfile(as_file):
+        path = as_file
+    elif os.path.isdir(as_dir) and glob.glob(os.path.join(as_dir, "*.tar")):
+        path = as_dir
+    else:
+        raise DatasetLayoutError(
+            f"data.root: found neither {as_file!r} nor .tar shards in {as_dir!r}; expected {layout}"
+        )
+    try:
+        reader = ReaderImageInTar(path, class_map=class_to_idx or "")
+    except (AssertionError, ValueError) as err:  # timm asserts on empty tars
+        raise DatasetLayoutError(f"data.root: cannot read tar shards at {path!r} ({err}); expected {layout}") from err
+    return reader
+
+
+def _classes(reader) -> list[str]:
+    return [name for name, _ in sorted(reader.class_to_idx.items(), key=lambda kv: kv[1])] \
+        if hasattr(reader, "class_to_idx") else \
+        [name for name, _ in sorted(reader.class_name_to_idx.items(), key=lambda kv: kv[1])]
+
+
+def build_splits(cfg: dict) -> tuple[Dataset, Dataset]:
+    """Train and validation datasets (without transforms) for a ``data`` config."""
+    fmt = cfg.get("format")
+    if fmt not in FORMATS:
+        raise ValueError(f"data.format: unknown format {fmt!r}; choose one of {FORMATS}")
+    root, train, val = cfg.get("root"), cfg.get("train_split", "train"), cfg.get("val_split", "val")
+
+    if fmt == "digits":
+        images, targets = digits_arrays(int(cfg["img_size"]))
+        reader = _ArrayReader(images, targets)
+        tr, va = fixed_split(len(images), float(cfg.get("val_fraction", 0.2)), int(cfg.get("split_seed", 0)))
+        classes = [str(i) for i in range(10)]
+        return LabeledImages(reader, tr, classes=classes), LabeledImages(reader, va, classes=classes)
+
+    if fmt == "synthetic":
+        return _synthetic(cfg, "train"), _synthetic(cfg, "val")
+
+    if not root:
+        raise DatasetLayoutError(f"data.root: not set; format {fmt!r} expects {_layout(fmt, '<root>', train, val)}")
+    root = os.path.expanduser(str(root))
+    layout = _layout(fmt, root, train, val)
+    _require_dir(root, "dataset root", layout)
+
+    if fmt == "image_folder":
+        reader = _folder_reader(root, layout, None)
+        tr, va = fixed_split(len(reader), float(cfg.get("val_fraction", 0.1)), int(cfg.get("split_seed", 0)))
+        classes = _classes(reader)
+        return LabeledImages(reader, tr, classes=classes), LabeledImages(reader, va, classes=classes)
+
+    make = _folder_reader if fmt == "folder" else (lambda p, lay, c: _tar_reader(root, p, lay, c))
+    train_reader = make(os.path.join(root, train) if fmt == "folder" else train, layout, None)
+    classes = _classes(train_reader)
+    # The validation split reuses the training class indices, so a class missing in val cannot shift them.
+    val_reader = make(os.path.join(root, val) if fmt == "folder" else val, layout, dict(
+        (name, i) for i, name in enumerate(classes)))
+    return LabeledImages(train_reader, classes=classes), LabeledImages(val_reader, classes=classes)
+
+
+class SyntheticImages(Dataset):
+    """Random normalized image tensors and labels, reproducible per index: for throughput, not accuracy.
+
+    Tensors are made directly (no decoding, no augmentation), so the input pipeline costs next to
+    nothing and a throughput run measures the model.
+    """
+
+    def __init__(self, n: int, size: int, num_classes: int, seed: int):
+        self.n, self.size, self.num_classes, self.seed = n, size, num_classes, seed
+        self.classes = [str(i) for i in range(num_classes)]
+        self.transform = None  # part of the dataset interface; nothing to apply
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(index))
+        image = torch.randn(3, self.size, self.size, generator=g)
+        return image, int(torch.randint(self.num_classes, (), generator=g))
+
+
+def _synthetic(cfg: dict, split: str) -> SyntheticImages:
+    n = int(cfg.get(f"{split}_samples", 1024))
+    if n < 1:
+        raise ValueError(f"data.{split}_samples: must be >= 1, got {n}")
+    return SyntheticImages(n, int(cfg["img_size"]), int(cfg["num_classes"]), seed=0 if split == "train" else 1)

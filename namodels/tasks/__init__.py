@@ -1,0 +1,1 @@
+"""Lightning modules per task and the train/eval runners (``configs/task/*.yaml`` plug them in)."""

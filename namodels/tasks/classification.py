@@ -1,0 +1,283 @@
+"""Image classification as a LightningModule, built from timm parts (the NAT / DiNAT ImageNet recipe).
+
+* model: any timm name (``namodels.tasks.models.create_model``); NA models get ``model.backend`` and
+  every forward runs inside ``ops.use_backend(model.backend)``;
+* loss: timm ``Mixup``/CutMix with ``SoftTargetCrossEntropy`` (label smoothing folded into the mixed
+  targets), else cross-entropy with label smoothing;
+* optimizer: timm ``create_optimizer_v2`` (no weight decay on norms, biases and what the model's
+  ``no_weight_decay()`` names, e.g. relative positional biases; optional layer decay); the learning
+  rate is ``optimizer.lr * global_batch / optimizer.lr_base_batch`` (linear scaling rule);
+* schedule: timm cosine (or any ``create_scheduler_v2`` name) with warmup, updated every optimizer step;
+* EMA of the weights (timm ``ModelEmaV3``), validated beside the raw model (``val/*`` and ``val_ema/*``);
+* metrics: torchmetrics top-1 / top-5 (percent) and loss.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from timm.data import Mixup, resolve_model_data_config
+from timm.loss import SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3
+from torch import nn
+from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
+
+import ops
+
+from ..data.datamodule import epoch_seed
+from ..utils.checks import check_choice, check_range
+from .models import create_model, export_weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPTIMIZER = dict(name="adamw", lr=1e-3, lr_base_batch=1024, lr_scaling="linear", weight_decay=0.05,
+                         betas=(0.9, 0.999), eps=1e-8, momentum=0.9, layer_decay=None)
+DEFAULT_SCHEDULER = dict(name="cosine", warmup_epochs=20, warmup_lr=1e-6, min_lr=5e-6, cooldown_epochs=0,
+                         warmup_prefix=False)
+DEFAULT_MIXUP = dict(mixup_alpha=0.0, cutmix_alpha=0.0, cutmix_minmax=None, prob=1.0, switch_prob=0.5,
+                     mode="batch")
+DEFAULT_EMA = dict(enabled=False, decay=0.9998, warmup=False)
+
+
+def batch_size(batch) -> int:
+    """Samples in a batch (for Lightning's ThroughputMonitor)."""
+    return 0 if batch is None else int(batch[0].shape[0])
+
+
+def _plain(value):
+    """Hydra/OmegaConf containers -> dict/list, so checkpoints hold no pickled OmegaConf objects."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _merged(name: str, defaults: dict, given) -> dict:
+    given = dict(_plain(given) or {})
+    unknown = set(given) - set(defaults)
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {sorted(unknown)}; known: {sorted(defaults)}")
+    return {**defaults, **given}
+
+
+class ClassificationModule(pl.LightningModule):
+    """Supervised image classification with any timm model (see the module docstring)."""
+
+    def __init__(self, model: dict, num_classes: int, optimizer: dict | None = None,
+                 scheduler: dict | None = None, mixup: dict | None = None, label_smoothing: float = 0.0,
+                 ema: dict | None = None, compile: bool = False, seed: int = 0, data: dict | None = None):
+        super().__init__()
+        check_range("data.num_classes", num_classes, 1, integer=True)
+        model_cfg = dict(_plain(model))
+        opt = _merged("task.module.optimizer", DEFAULT_OPTIMIZER, optimizer)
+        sched = _merged("task.module.scheduler", DEFAULT_SCHEDULER, scheduler)
+        mix = _merged("task.module.mixup", DEFAULT_MIXUP, mixup)
+        ema_cfg = _merged("task.module.ema", DEFAULT_EMA, ema)
+        self._check(opt, sched, mix, ema_cfg, label_smoothing)
+        # Plain containers only: checkpoints stay loadable with torch.load(weights_only=True).
+        self.save_hyperparameters(dict(
+            model=model_cfg, num_classes=int(num_classes), optimizer=opt, scheduler=sched, mixup=mix,
+            label_smoothing=float(label_smoothing), ema=ema_cfg, compile=bool(compile), seed=int(seed),
+            data=_plain(data),
+        ))
+        self.backend = model_cfg.get("backend")
+        self.model = create_model(model_cfg, int(num_classes))
+        self.data_config = resolve_model_data_config(self.model)
+        self.ema = ModelEmaV3(self.model, decay=ema_cfg["decay"], use_warmup=ema_cfg["warmup"]) \
+            if ema_cfg["enabled"] else None
+        if compile:
+            self.model.compile()  # in place: parameter names (and checkpoints) stay the same
+
+        self.mixup_fn = None
+        if mix["mixup_alpha"] > 0 or mix["cutmix_alpha"] > 0 or mix["cutmix_minmax"] is not None:
+            self.mixup_fn = Mixup(
+                mixup_alpha=mix["mixup_alpha"], cutmix_alpha=mix["cutmix_alpha"], cutmix_minmax=mix["cutmix_minmax"],
+                prob=mix["prob"], switch_prob=mix["switch_prob"], mode=mix["mode"],
+                label_smoothing=label_smoothing, num_classes=int(num_classes),
+            )
+            self.train_loss = SoftTargetCrossEntropy()
+        else:
+            self.train_loss = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        self.eval_loss = nn.CrossEntropyLoss()
+        top5 = min(5, int(num_classes))
+        self.val_metrics = nn.ModuleDict({
+            prefix: MetricCollection({
+                "top1": MulticlassAccuracy(int(num_classes), top_k=1, average="micro"),
+                "top5": MulticlassAccuracy(int(num_classes), top_k=top5, average="micro"),
+                "loss": MeanMetric(),
+            }) for prefix in (("val", "val_ema") if self.ema is not None else ("val",))
+        })
+        self._last_ema_step = None
+        self.skipped_images = 0
+
+    @staticmethod
+    def _check(opt, sched, mix, ema, label_smoothing):
+        p = "task.module"
+        check_range(f"{p}.optimizer.lr", opt["lr"], 0, low_open=True)
+        check_range(f"{p}.optimizer.lr_base_batch", opt["lr_base_batch"], 1, integer=True)
+        check_choice(f"{p}.optimizer.lr_scaling", opt["lr_scaling"], ("linear", "none"))
+        check_range(f"{p}.optimizer.weight_decay", opt["weight_decay"], 0)
+        check_range(f"{p}.optimizer.layer_decay", opt["layer_decay"], 0, 1, low_open=True, allow_none=True)
+        check_range(f"{p}.scheduler.warmup_epochs", sched["warmup_epochs"], 0)
+        check_range(f"{p}.scheduler.cooldown_epochs", sched["cooldown_epochs"], 0, integer=True)
+        check_range(f"{p}.scheduler.warmup_lr", sched["warmup_lr"], 0)
+        check_range(f"{p}.scheduler.min_lr", sched["min_lr"], 0)
+        for key in ("mixup_alpha", "cutmix_alpha"):
+            check_range(f"{p}.mixup.{key}", mix[key], 0)
+        for key in ("prob", "switch_prob"):
+            check_range(f"{p}.mixup.{key}", mix[key], 0, 1)
+        check_choice(f"{p}.mixup.mode", mix["mode"], ("batch", "pair", "elem"))
+        check_range(f"{p}.label_smoothing", label_smoothing, 0, 1, high_open=True)
+        check_range(f"{p}.ema.decay", ema["decay"], 0, 1, low_open=True, high_open=True)
+
+    # ---- forward -------------------------------------------------------------------------------
+    def _backend(self):
+        return ops.use_backend(self.backend) if self.backend is not None else contextlib.nullcontext()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._backend():
+            return self.model(x)
+
+    def forward_ema(self, x: torch.Tensor) -> torch.Tensor:
+        with self._backend():
+            return self.ema.module(x)
+
+    # ---- training ------------------------------------------------------------------------------
+    def on_train_epoch_start(self) -> None:
+        # Main-process randomness (mixup, drop path, in-process augmentation) restarts from a seed fixed by
+        # (seed, epoch, rank): a run resumed at an epoch boundary continues exactly like an uninterrupted one.
+        seed = epoch_seed(self.hparams.seed, self.current_epoch) + self.global_rank
+        random.seed(seed)
+        np.random.seed(seed % 2 ** 32)
+        torch.manual_seed(seed)
+
+    def on_train_start(self) -> None:
+        self._last_ema_step = self.global_step
+
+    def training_step(self, batch, batch_idx):
+        if batch is None:  # every image of the batch was unreadable
+            return None
+        images, targets, skipped = batch
+        self._count_skipped(skipped, "train")
+        if self.mixup_fn is not None:
+            if images.shape[0] % 2:  # timm's batch mixup pairs samples: drop one if a skip left an odd count
+                images, targets = images[:-1], targets[:-1]
+            images, targets = self.mixup_fn(images, targets)
+        loss = self.train_loss(self(images), targets)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        # Update the EMA once per optimizer step (not per micro-batch under gradient accumulation).
+        if self.ema is not None and self.global_step != self._last_ema_step:
+            self.ema.update(self.model, step=self.global_step)
+            self._last_ema_step = self.global_step
+
+    def _count_skipped(self, skipped: torch.Tensor, stage: str) -> None:
+        n = int(skipped)
+        if n:
+            self.skipped_images += n
+            log.warning("%s: %d unreadable image(s) skipped in this batch (%d so far)", stage, n, self.skipped_images)
+        self.log(f"{stage}/skipped_images", float(n), reduce_fx="sum", on_step=False, on_epoch=True,
+                 sync_dist=True, batch_size=1)
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validation_step(self, batch, batch_idx):
+        if batch is None:
+            return
+        images, targets, skipped = batch
+        self._count_skipped(skipped, "val")
+        self._update_metrics("val", self(images), targets)
+        if self.ema is not None:
+            self._update_metrics("val_ema", self.forward_ema(images), targets)
+
+    def _update_metrics(self, prefix, logits, targets):
+        metrics = self.val_metrics[prefix]
+        logits = logits.float()
+        metrics["top1"].update(logits, targets)
+        metrics["top5"].update(logits, targets)
+        metrics["loss"].update(self.eval_loss(logits, targets), weight=targets.shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        for prefix, metrics in self.val_metrics.items():
+            values = metrics.compute()  # synchronised across processes by torchmetrics
+            metrics.reset()
+            self.log(f"{prefix}/top1", values["top1"] * 100, prog_bar=prefix == "val")
+            self.log(f"{prefix}/top5", values["top5"] * 100)
+            self.log(f"{prefix}/loss", values["loss"])
+
+    # ---- optimisation --------------------------------------------------------------------------
+    def global_batch_size(self) -> int:
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is None or not hasattr(dm, "batch_size"):
+            raise ValueError("the classification task needs a data module with a batch_size")
+        return dm.batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def configure_optimizers(self):
+        opt, sched = self.hparams.optimizer, self.hparams.scheduler
+        global_batch = self.global_batch_size()
+        lr = opt["lr"] * global_batch / opt["lr_base_batch"] if opt["lr_scaling"] == "linear" else opt["lr"]
+        kwargs = dict(betas=tuple(opt["betas"]), eps=opt["eps"]) if "adam" in opt["name"].lower() else {}
+        if opt["name"].lower() in ("sgd", "momentum", "nesterov"):
+            kwargs = dict(momentum=opt["momentum"])
+        optimizer = create_optimizer_v2(self.model, opt=opt["name"], lr=lr, weight_decay=opt["weight_decay"],
+                                        layer_decay=opt["layer_decay"], **kwargs)
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is None or max_epochs < 1:
+            raise ValueError(f"trainer.max_epochs: the epoch-based schedule needs max_epochs >= 1, got {max_epochs}")
+        epochs = max_epochs - sched["cooldown_epochs"]
+        if epochs < 1 or sched["warmup_epochs"] >= epochs:
+            raise ValueError(
+                f"task.module.scheduler.warmup_epochs: {sched['warmup_epochs']} warmup epochs (and "
+                f"{sched['cooldown_epochs']} cooldown) leave no decay phase in trainer.max_epochs={max_epochs}"
+            )
+        updates_per_epoch = max(1, int(self.trainer.estimated_stepping_batches) // max_epochs)
+        scheduler, _ = create_scheduler_v2(
+            optimizer, sched=sched["name"], num_epochs=epochs, warmup_epochs=sched["warmup_epochs"],
+            warmup_lr=sched["warmup_lr"], min_lr=sched["min_lr"], warmup_prefix=sched["warmup_prefix"],
+            step_on_epochs=False, updates_per_epoch=updates_per_epoch,
+        )
+        log.info("lr %.3g (%s x global batch %d / %d), %d updates/epoch, %d schedule epochs + %d cooldown",
+                 lr, opt["lr"], global_batch, opt["lr_base_batch"], updates_per_epoch, epochs,
+                 sched["cooldown_epochs"])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        # timm schedulers are stepped with the number of optimizer updates so far (per-iteration schedule)
+        scheduler.step_update(num_updates=self.global_step)
+
+    # ---- checkpoints and export ----------------------------------------------------------------
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = (checkpoint.get("hyper_parameters") or {})
+        saved_model = (saved.get("model") or {}).get("name")
+        ours = self.hparams.model.get("name")
+        if saved_model is not None and saved_model != ours:
+            raise ValueError(f"ckpt_path: the checkpoint was trained with model {saved_model!r} "
+                             f"({saved.get('num_classes')} classes); this run builds {ours!r}")
+        if saved.get("num_classes") not in (None, self.hparams.num_classes):
+            raise ValueError(f"ckpt_path: the checkpoint has {saved['num_classes']} classes; this run has "
+                             f"data.num_classes={self.hparams.num_classes}")
+        state = checkpoint.get("state_dict", {})
+        if self.ema is not None and not any(k.startswith("ema.") for k in state):
+            log.warning("checkpoint has no EMA weights: the EMA starts from the checkpoint's model weights")
+            state.update({"ema.module." + k[len("model."):]: v for k, v in list(state.items())
+                          if k.startswith("model.")})
+
+    def export_weights(self, directory: str, source: str = "") -> list[str]:
+        """Writes ``<model>.safetensors`` (and ``<model>_ema.safetensors``) loadable by timm.create_model."""
+        name = self.hparams.model["name"]
+        stem = os.path.join(directory, name.replace("/", "_"))
+        paths = [export_weights(self.model.state_dict(), stem + ".safetensors", model_name=name,
+                                num_classes=self.hparams.num_classes, source=source)]
+        if self.ema is not None:
+            paths.append(export_weights(self.ema.module.state_dict(), stem + "_ema.safetensors", model_name=name,
+                                        num_classes=self.hparams.num_classes, source=source + " (EMA)"))
+        return paths

@@ -1,0 +1,121 @@
+"""What train.py does with a composed config: instantiate the task's module and data module, the
+trainer, callbacks and loggers, fit, export, report.  Task-agnostic: a new task (GAN, video) plugs in
+through ``configs/task/<name>.yaml`` (``module`` and ``datamodule`` to instantiate, ``stage: fit``).
+Optional module hooks used here: ``data_config`` (handed to ``datamodule.use_model_defaults``) and
+``export_weights(directory, source)``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+def check_stage(cfg: DictConfig, stage: str, script: str) -> None:
+    got = cfg.task.get("stage")
+    if got != stage:
+        other = "eval.py" if got == "eval" else "train.py"
+        raise ValueError(f"task: task={cfg.task.get('name')!r} is a {got!r} task (run it with {other}); "
+                         f"{script} runs {stage!r} tasks")
+
+
+def instantiate_group(group: DictConfig | None) -> list:
+    """Instantiates every entry of a dict-of-configs group (callbacks, logger); ``null`` entries are off."""
+    if not group:
+        return []
+    return [instantiate(c) for c in group.values() if c is not None and "_target_" in c]
+
+
+def resolve_ckpt_path(ckpt_path, callbacks) -> str | None:
+    """``null`` (fresh run), ``last`` (this run's last.ckpt) or a path; a missing file is an error."""
+    if ckpt_path in (None, "", "null"):
+        return None
+    if ckpt_path == "last":
+        dirs = [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        candidates = [os.path.join(d, "last.ckpt") for d in dirs]
+        found = [c for c in candidates if os.path.isfile(c)]
+        if not found:
+            raise ValueError(f"ckpt_path=last: no last.ckpt in {dirs or 'any checkpoint folder'}; run without "
+                             "ckpt_path first (same run_name) or give a checkpoint file")
+        return found[0]
+    path = os.path.expanduser(str(ckpt_path))
+    if not os.path.isfile(path):
+        raise ValueError(f"ckpt_path: {path!r} does not exist")
+    return path
+
+
+def _number(value):
+    return float(value.item()) if isinstance(value, torch.Tensor) else value
+
+
+def fit(cfg: DictConfig) -> dict:
+    """Runs a ``stage: fit`` task; returns the summary that is printed and written to summary.json."""
+    import namodels  # noqa: F401  registers the project's timm models
+
+    check_stage(cfg, "fit", "train.py")
+    started = time.time()
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.task.datamodule)
+    module = instantiate(cfg.task.module)
+    if hasattr(datamodule, "use_model_defaults") and hasattr(module, "data_config"):
+        datamodule.use_model_defaults(module.data_config)
+    callbacks = instantiate_group(cfg.get("callbacks"))
+    loggers = instantiate_group(cfg.get("logger"))
+    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), callbacks)
+    if trainer.is_global_zero:
+        log.info("output: %s", cfg.paths.output_dir)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+
+    summary = dict(
+        task=cfg.task.name, model=cfg.model.get("name"), data=cfg.data.get("name"), epochs=trainer.current_epoch,
+        global_step=trainer.global_step, seconds=round(time.time() - started, 1),
+        metrics={k: _number(v) for k, v in sorted(trainer.callback_metrics.items())},
+        skipped_images=getattr(module, "skipped_images", 0),
+    )
+    ckpt_cb = trainer.checkpoint_callback
+    if ckpt_cb is not None:
+        summary.update(best_checkpoint=ckpt_cb.best_model_path or None, monitor=ckpt_cb.monitor,
+                       best_score=_number(ckpt_cb.best_model_score), last_checkpoint=ckpt_cb.last_model_path or None)
+    if trainer.is_global_zero:
+        best = summary.get("best_checkpoint") or summary.get("last_checkpoint")
+        if cfg.get("export") and best and hasattr(module, "export_weights"):
+            state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
+            module.load_state_dict(state)
+            summary["exported"] = module.export_weights(os.path.join(cfg.paths.output_dir, "export"), source=best)
+        os.makedirs(cfg.paths.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.paths.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print_summary(summary)
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    metrics = summary["metrics"]
+    lines = [f"finished {summary['task']} of {summary['model']} on {summary['data']}: "
+             f"{summary['epochs']} epochs, {summary['global_step']} steps, {summary['seconds']} s"]
+    for key in ("val/top1", "val/top5", "val_ema/top1", "val_ema/top5"):
+        if key in metrics:
+            lines.append(f"  final {key:<13} {metrics[key]:.2f}%")
+    if summary.get("best_score") is not None:
+        lines.append(f"  best {summary['monitor']} {summary['best_score']:.2f}%  checkpoint: {summary['best_checkpoint']}")
+    if summary.get("last_checkpoint"):
+        lines.append(f"  last checkpoint: {summary['last_checkpoint']}")
+    for path in summary.get("exported", []):
+        lines.append(f"  exported weights: {path}")
+    if summary.get("skipped_images"):
+        lines.append(f"  unreadable images skipped: {summary['skipped_images']}")
+    print("\n".join(lines), flush=True)
+
+
+def config_to_plain(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
