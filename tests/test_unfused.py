@@ -294,3 +294,16 @@ def test_gpu_unfused_matches_oracle(seed, dtype):
     ref_grads = torch.autograd.grad((ref_out * g.cpu().double()).sum(), ref_in)
     for got, ref in zip(grads, ref_grads):
         assert (got.cpu().double() - ref).abs().max() <= tol * max(1.0, ref.abs().max().item())
+
+
+def test_example_script_writes_png(tmp_path, monkeypatch):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "weights.png"
+    script = Path(__file__).resolve().parents[1] / "examples" / "attention_weights.py"
+    monkeypatch.setattr(sys, "argv", ["attention_weights.py", "--random", "--size", "32", "--query", "5", "7",
+                                      "--kernel-size", "7", "--out", str(out)])
+    runpy.run_path(str(script), run_name="__main__")
+    assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
