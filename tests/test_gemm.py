@@ -281,10 +281,10 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 
 @gpu
 @cuda_only
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(6))
 def test_gpu_backend_random_problems_float32(seed):
     rng = random.Random(7000 + seed)
-    problem = random_problem(rng, max_tokens=96, max_dim=64)
+    problem = random_problem(rng, max_tokens=96, max_dim=16)  # one BLOCK_D: fewer kernel compilations
     assert operators.uses_triton(torch.empty(1, device="cuda"), problem.dim, problem.dim_v)
     # float32 GEMMs run as 3xTF32: close to, but not exactly, float32 arithmetic.
     check_backend(problem, "gemm", torch.float32, device="cuda", tol=1e-3,
@@ -320,3 +320,12 @@ def test_gpu_matches_naive_on_nat_sized_problem(dtype):
     assert rel(outs["gemm"], outs["naive"]) < tol
     for g, ref in zip(grads["gemm"], grads["naive"]):
         assert rel(g, ref) < 2 * tol
+
+
+def test_second_backward_through_same_call_is_refused():
+    """dS overwrites the saved float32 logits: a retained graph must not silently reuse them."""
+    q, k, v = (torch.randn(1, 9, 2, 4, requires_grad=True) for _ in range(3))
+    out = ops.na1d(q, k, v, 3, backend="gemm")
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.sum().backward()

@@ -7,7 +7,7 @@ Every backward is again PN / NN / IN (the paper's operator algebra):
 * attention (backend ``gemm``): forward PN (+RPB) -> log-sum-exp -> NN on ``exp(logits - lse)``
   (the softmax normalisation is applied where NN reads the weights, so only the float32 logits are
   kept for backward); backward ``dv = IN(P, dout)``, ``dS = PN(dout, v)`` with the epilogue
-  ``P * (dP - delta)``, ``dq = NN(dS, k)``, ``dk = IN(dS, q)``, ``delta = rowsum(dout * out) - dlse``.
+  ``P * (dP - delta)`` (written over the logits where the precisions agree), ``dq = NN(dS, k)``, ``dk = IN(dS, q)``, ``delta = rowsum(dout * out) - dlse``.
 
 Tensors here are flat over space: ``[B, N, heads, dim]``.
 """
@@ -77,6 +77,11 @@ class Attention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out, d_lse):
+        if getattr(ctx, "logits_consumed", False):
+            raise RuntimeError(
+                "gemm backend: a second backward through the same attention call is not supported "
+                "(its saved logits were overwritten by dS to halve the memory); recompute the forward"
+            )
         q, k, v, rpb, logits, lse, out = ctx.saved_tensors
         params, scale = ctx.params, ctx.scale
         ct = lse.dtype
@@ -89,7 +94,10 @@ class Attention(torch.autograd.Function):
         dv = op.inn(logits, d_out, params, v.shape[2], lse=lse, out_dtype=v.dtype)
         # dS feeds tensor-core GEMMs in the input precision anyway: store it in that precision there.
         ds_dtype = q.dtype if op.uses_triton(q, q.shape[-1], v.shape[-1]) else ct
-        ds = op.pn(d_out, v, params, ds=(logits, lse, delta), out_dtype=ds_dtype)
+        # Where dS has the logits' precision it overwrites them (nothing reads the logits afterwards).
+        in_place = ds_dtype == logits.dtype
+        ds = op.pn(d_out, v, params, ds=(logits, lse, delta), out_dtype=ds_dtype, out=logits if in_place else None)
+        ctx.logits_consumed = in_place
         del logits
         dq = op.nn(ds, k, params, scale=scale, out_dtype=q.dtype)
         dk = op.inn(ds, q, params, k.shape[2], scale=scale, out_dtype=k.dtype)

@@ -54,8 +54,8 @@ def _impl(t: torch.Tensor, *dims: int):
     return torch_tiled if triton_reason(t.device, t.dtype, *dims) is not None else _triton_module()
 
 
-def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtype=None, ds=None):
-    return _impl(a, a.shape[-1], b.shape[-1]).pn(a, b, params, scale, rpb, fill, out_dtype, ds)
+def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtype=None, ds=None, out=None):
+    return _impl(a, a.shape[-1], b.shape[-1]).pn(a, b, params, scale, rpb, fill, out_dtype, ds, out)
 
 
 def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):

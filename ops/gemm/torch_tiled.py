@@ -54,19 +54,22 @@ def _to_rows_layout(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 3, 1, 4, 5).reshape(B, c * tq, HB * G, X)
 
 
-def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtype=None, ds=None):
+def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtype=None, ds=None, out=None):
     """Pointwise-neighborhood: ``out[n, h, w] = scale * <a[n, h], b[key(n, w), h // G]> (+ rpb)``.
 
     ``a [B, N, Ha, D]``, ``b [B, N, Hb, D]`` -> ``[B, N, Ha, W]``; empty (causal) slots get ``fill``.
     With ``ds = (logits, lse, delta)`` the epilogue of the attention backward is applied instead:
-    ``out = P * (dot - delta)``, ``P = exp(logits - lse)``, empty slots 0.
+    ``out = P * (dot - delta)``, ``P = exp(logits - lse)``, empty slots 0.  ``out`` may be given, and
+    may be ``logits`` itself (each query's row is read before it is written, by the same tile).
+    Empty causal slots of a given ``out`` in the ``ds`` mode are left as they are (nothing reads them).
     """
     B, N, HA, D = a.shape
     HB = b.shape[2]
     G = HA // HB
     W = params.window_size
     ct = compute_dtype(a.dtype)
-    out = torch.empty(B, N, HA, W, dtype=out_dtype or a.dtype, device=a.device)
+    if out is None:
+        out = torch.empty(B, N, HA, W, dtype=out_dtype or a.dtype, device=a.device)
     tiles, bounds = _plan(params, lambda tq, th: B * (th * HB * D + tq * HA * (D + th + 3 * W)), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
     a_hm, b_hm = _head_major(a.to(ct), HB), b.to(ct).permute(0, 2, 1, 3).contiguous()  # [B,Hb,N,G,D], [B,Hb,N,D]
@@ -89,7 +92,7 @@ def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtyp
         if ds is not None:
             p = torch.exp(_weight_rows(logits, ch.queries, HB, ct) - _weight_rows(lse, ch.queries, HB, ct))
             s = p * (s - _weight_rows(delta, ch.queries, HB, ct))
-            if empty is not None:
+            if empty is not None:  # (exp(-inf - lse) * finite = 0 already; NaN-proof anyway)
                 s = s.masked_fill(empty, 0.0)
         elif empty is not None:
             s = s.masked_fill(empty, fill)

@@ -268,6 +268,11 @@ def _acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def _stages(block_dim: int, dtype: torch.dtype) -> int:
+    """Software-pipelining depth: 3 buffers of the streamed tile, 2 when rows exceed 256 bytes (smem)."""
+    return 3 if block_dim * dtype.itemsize <= 256 else 2
+
+
 def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -284,15 +289,18 @@ def _setup(params: NAParams, device):
     return p3, tables, common
 
 
-def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtype=None, ds=None):
-    """See ``torch_tiled.pn`` (same contract)."""
+def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtype=None, ds=None, out=None):
+    """See ``torch_tiled.pn`` (same contract; with ``out=logits`` each element is read, then written, by
+    the same program; a given ``out`` keeps whatever its empty causal slots hold)."""
     B, N, HA, D = a.shape
     HB = b.shape[2]
     W = params.window_size
     a, b = a.contiguous(), b.contiguous()
     p3, tables, common = _setup(params, a.device)
     dtype = out_dtype or a.dtype
-    if ds is not None or any(params.is_causal):
+    if out is not None:
+        assert out.is_contiguous() and out.shape == (B, N, HA, W)  # its empty slots are left as they are
+    elif ds is not None or any(params.is_causal):
         # Empty causal slots are never visited by the kernel: pre-fill them.
         out = torch.full((B, N, HA, W), 0.0 if ds is not None else fill, dtype=dtype, device=a.device)
     else:
@@ -309,7 +317,7 @@ def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtyp
         K0=p3.kernel_size[0], R=math.prod(p3.rpb_shape),
         TPA1=tables.tiles_per_axis[1], TPA2=tables.tiles_per_axis[2], BLOCK_K=BLOCK_CHUNK, BLOCK_D=_block(D),
         HAS_RPB=rpb is not None, DS_MODE=ds is not None, PREC=_precision(a.dtype), ACC=_acc(a.dtype),
-        **common,
+        num_stages=_stages(_block(D), a.dtype), **common,
     )
     return out
 
@@ -326,7 +334,8 @@ def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
         w, b, out, lse.contiguous() if lse is not None else w, tables.query_tiles, tables.windows,
         tables.query_tiles.shape[2], tables.windows.shape[2], N, HA, HB, DV, W, float(scale),
         TPA1=tables.tiles_per_axis[1], TPA2=tables.tiles_per_axis[2], BLOCK_K=BLOCK_CHUNK,
-        BLOCK_DV=_block(DV), LSE_MODE=lse is not None, PREC=_precision(b.dtype), ACC=_acc(b.dtype), **common,
+        BLOCK_DV=_block(DV), LSE_MODE=lse is not None, PREC=_precision(b.dtype), ACC=_acc(b.dtype),
+        num_stages=_stages(_block(DV), b.dtype), **common,
     )
     return out
 
@@ -343,6 +352,7 @@ def inn(w, x, params: NAParams, heads_kv: int, scale=1.0, lse=None, out_dtype=No
         w, x, out, lse.contiguous() if lse is not None else w, tables.key_tiles, tables.windows,
         tables.key_tiles.shape[2], tables.windows.shape[2], N, HA, heads_kv, DX, W, float(scale),
         TPA1=tables.key_tiles_per_axis[1], TPA2=tables.key_tiles_per_axis[2], BLOCK_Q=BLOCK_CHUNK,
-        BLOCK_DX=_block(DX), LSE_MODE=lse is not None, PREC=_precision(x.dtype), ACC=_acc(x.dtype), **common,
+        BLOCK_DX=_block(DX), LSE_MODE=lse is not None, PREC=_precision(x.dtype), ACC=_acc(x.dtype),
+        num_stages=_stages(_block(DX), x.dtype), **common,
     )
     return out

@@ -1,0 +1,170 @@
+"""Timing of backend ``gemm`` against ``naive`` (issue 5's acceptance numbers).
+
+    python -m ops.gemm.bench cpu                      # NAT-Mini stage 1, batch 8, float32 forward
+    python -m ops.gemm.bench cuda [--json out.json]   # nat-s1, dinat-s1, 2d-flux; bf16 / fp32; fwd, fwd+bwd
+
+CUDA times are medians of ``triton.testing.do_bench`` (CUDA events, after warm-up).  ``naive`` on
+2d-flux takes tens of seconds per call: it is timed once per case (the first call of a pure-PyTorch
+backend compiles nothing) and skipped when ``--naive-budget`` seconds have been spent on it.
+CPU times are medians of wall-clock runs, the two backends interleaved.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import ops
+
+# name: (B, H, D, spatial, K, dilation)
+PROBLEMS = {
+    "nat-s1": (128, 2, 32, (56, 56), (7, 7), 1),
+    "dinat-s1": (128, 2, 32, (56, 56), (7, 7), 8),
+    "2d-flux": (1, 24, 128, (256, 256), (80, 80), 1),
+}
+CPU_PROBLEM = (8, 2, 32, (56, 56), (7, 7), 1)  # NAT-Mini stage 1 with batch 8
+
+
+def _inputs(problem, dtype, device, grad, seed=0):
+    B, H, D, spatial, K, d = problem
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(B, *spatial, H, D, dtype=dtype, device=device, generator=gen) for _ in range(3))
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def _call(problem, backend, q, k, v):
+    _, _, _, _, K, d = problem
+    return ops.na2d(q, k, v, K, dilation=d, backend=backend)
+
+
+def bench_cpu(repeats: int = 5):
+    problem = CPU_PROBLEM
+    q, k, v = _inputs(problem, torch.float32, "cpu", grad=False)
+    times = {"gemm": [], "naive": []}
+    with torch.no_grad():
+        ref = _call(problem, "naive", q, k, v)
+        err = (_call(problem, "gemm", q, k, v) - ref).abs().max().item()
+        for _ in range(repeats):
+            for backend in times:
+                start = time.perf_counter()
+                _call(problem, backend, q, k, v)
+                times[backend].append(time.perf_counter() - start)
+    gemm, naive = (statistics.median(times[b]) * 1e3 for b in ("gemm", "naive"))
+    print(f"CPU {torch.get_num_threads()} threads, torch {torch.__version__}, B=8 56x56 H=2 D=32 K=7 float32 forward")
+    print(f"max |gemm - naive| = {err:.2e}")
+    print("| backend | forward ms (median of %d) |" % repeats)
+    print("|---|---|")
+    print(f"| naive | {naive:.1f} |\n| gemm | {gemm:.1f} |")
+    print(f"speedup gemm over naive: {naive / gemm:.2f}x")
+    return {"gemm_ms": gemm, "naive_ms": naive, "speedup": naive / gemm, "max_abs_diff": err}
+
+
+def _time_cuda(fn, single: bool):
+    from triton.testing import do_bench
+
+    if single:
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(stop)
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check_cuda(problem, dtype):
+    """gemm against naive (float32 math) on the problem itself: output and input gradients."""
+    q, k, v = _inputs(problem, dtype, "cuda", grad=True, seed=1)
+    g = torch.randn_like(q)
+    res = {}
+    for backend in ("gemm", "naive"):
+        out = _call(problem, backend, q, k, v)
+        res[backend] = [out.detach()] + list(torch.autograd.grad(out, (q, k, v), g))
+    return max(_rel(a, b) for a, b in zip(res["gemm"], res["naive"]))
+
+
+def bench_cuda(naive_budget: float, problems, dtypes):
+    rows = []
+    naive_spent = 0.0
+    for name in problems:
+        problem = PROBLEMS[name]
+        for dtype in dtypes:
+            if name != "2d-flux":  # (naive takes minutes there: checked on smaller problems by the tests)
+                err = check_cuda(problem, dtype)
+                print(f"{name} {dtype}: max relative error gemm vs naive (out, dq, dk, dv) = {err:.2e}", flush=True)
+                torch.cuda.empty_cache()
+            for mode in ("fwd", "fwd+bwd"):
+                grad = mode == "fwd+bwd"
+                q, k, v = _inputs(problem, dtype, "cuda", grad)
+                g = torch.randn_like(q) if grad else None
+                result = {"problem": name, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
+                for backend in ("gemm", "naive"):
+                    slow = backend == "naive" and name == "2d-flux"
+                    if slow and naive_spent > naive_budget:
+                        result[backend] = None
+                        continue
+
+                    def fn():
+                        if grad:
+                            for t in (q, k, v):
+                                t.grad = None
+                            _call(problem, backend, q, k, v).backward(g)
+                        else:
+                            with torch.no_grad():
+                                _call(problem, backend, q, k, v)
+
+                    wall = time.perf_counter()
+                    result[backend] = _time_cuda(fn, single=slow)
+                    if slow:
+                        naive_spent += time.perf_counter() - wall
+                    torch.cuda.empty_cache()
+                gemm, naive = result["gemm"], result["naive"]
+                result["speedup"] = naive / gemm if naive else None
+                rows.append(result)
+                fmt = lambda x: "skipped (time)" if x is None else f"{x:.3f}"  # noqa: E731
+                print(f"{name} {result['dtype']} {mode}: gemm {fmt(gemm)} ms, naive {fmt(naive)} ms, "
+                      f"speedup {fmt(result['speedup'])}", flush=True)
+                del q, k, v, g
+                torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {__import__('triton').__version__}")
+    print("| problem | dtype | pass | gemm ms | naive ms | naive / gemm |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        fmt = lambda x, p=3: "not run" if x is None else f"{x:.{p}f}"  # noqa: E731
+        print(f"| {r['problem']} | {r['dtype']} | {r['mode']} | {fmt(r['gemm'])} | {fmt(r['naive'])} | "
+              f"{fmt(r['speedup'], 1)}x |")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("device", choices=["cpu", "cuda"])
+    parser.add_argument("--json")
+    parser.add_argument("--naive-budget", type=float, default=150.0,
+                        help="seconds of naive 2d-flux timing after which the rest is skipped")
+    parser.add_argument("--problems", nargs="+", default=list(PROBLEMS))
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    args = parser.parse_args()
+    if args.device == "cpu":
+        result = bench_cpu()
+    else:
+        result = bench_cuda(args.naive_budget, args.problems, [getattr(torch, d) for d in args.dtypes])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
