@@ -838,12 +838,16 @@ def load_official_generator(generator: StyleNATGenerator, checkpoint, which: str
     if not isinstance(checkpoint, Mapping):
         checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=False)
     converted = convert_official_generator(official_state_dict(checkpoint, which))
-    missing, unexpected = generator.load_state_dict(converted, strict=False)
+    hint = "check size / channel_multiplier / channels / kernel sizes"
+    try:
+        missing, unexpected = generator.load_state_dict(converted, strict=False)
+    except RuntimeError as err:  # shape mismatches
+        raise ValueError(f"checkpoint: does not match this generator configuration ({hint}): {err}") from err
     missing = [k for k in missing if k != "w_avg"]
     if missing or unexpected:
         raise ValueError(
-            f"checkpoint: does not match this generator configuration; missing {missing[:8]}, unexpected "
-            f"{unexpected[:8]} (check size / channel_multiplier / kernel sizes)"
+            f"checkpoint: does not match this generator configuration ({hint}); missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}"
         )
     if "w_avg" not in converted:
         generator.estimate_w_avg(w_avg_samples)
