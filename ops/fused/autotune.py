@@ -13,6 +13,7 @@ follow from the problem through ``tiles.choose_tiles``.  Lookup order for a prob
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -57,6 +58,19 @@ CANDIDATES: dict[str, list[Config]] = {
 _lock = threading.Lock()
 _cache: dict[str, dict] | None = None
 _tune_override: bool | None = None
+_forced: dict[str, Config] = {}
+
+
+@contextlib.contextmanager
+def forced(**configs: Config):
+    """Pins kernels to configurations, e.g. ``forced(fwd=Config(16, 16, 4, 1))`` (tests, experiments)."""
+    previous = dict(_forced)
+    _forced.update(configs)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(previous)
 
 
 def set_autotune(enabled: bool | None) -> None:
@@ -145,13 +159,15 @@ def resolve(cfg: Config, params) -> Launch:
     return Launch(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages)
 
 
-def pick(kernel: str, q, k, v, params, has_rpb: bool, run) -> Launch:
+def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True) -> Launch:
     """Configuration for one kernel launch; ``run(launch)`` executes the kernel once (for tuning)."""
+    if kernel in _forced:
+        return resolve(_forced[kernel], params)
     key = problem_key(kernel, q, k, v, params, has_rpb)
     entry = _load().get(key)
     if entry is not None:
         return Launch(tuple(entry["outer_tile"]), tuple(entry["inner_tile"]), entry["num_warps"], entry["num_stages"])
-    if autotune_enabled() and q.is_cuda:
+    if tunable and autotune_enabled() and q.is_cuda:
         launch = _tune(kernel, q, params, run, key)
         if launch is not None:
             return launch

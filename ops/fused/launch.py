@@ -20,9 +20,20 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _interpreted() -> bool:
+    return type(kernels.na_fwd_kernel).__name__ == "InterpretedFunction"
+
+
 def _tokens(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, *spatial, H, D] -> [B, N, H, D] with unit last stride (a view when possible)."""
+    """[B, *spatial, H, D] -> [B, N, H, D] with unit last stride (a view when possible).
+
+    Triton's interpreter multiplies bfloat16 matrices wrongly (tl.dot on raw bf16 bits, seen with
+    triton 3.8), so under the interpreter bfloat16 inputs are widened to float32 first; outputs keep
+    the input dtype.  On the GPU the kernels read bfloat16 directly.
+    """
     t = t.reshape(t.shape[0], n, t.shape[-2], t.shape[-1])
+    if t.dtype == torch.bfloat16 and _interpreted():
+        t = t.float()
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -146,7 +157,7 @@ def _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, determinis
     b, hq, hkv = q4.shape[0], q4.shape[2], k4.shape[2]
     d, dv = q4.shape[-1], v4.shape[-1]
     n_rel = table.shape[1]
-    launch = autotune.resolve(autotune.default_config("drpb", max(d, dv)), params)
+    launch = autotune.pick("drpb", q, k, v, params, True, None, tunable=False)
     window, programs = _window_args(params, launch.outer_tile)
     _, _, _, _, C = _axes3(params)
     tile = launch.outer_tile

@@ -1,0 +1,340 @@
+"""Op benchmark: NA backends beside dense SDPA on the DESIGN.md problem set (one GPU, one run).
+
+    python -m ops.bench                              # forward, bf16, every problem, fused/flex/naive
+    python -m ops.bench --backward                   # forward + backward
+    python -m ops.bench --problems nat-s1,2d-flux --backends fused,flex
+    python -m ops.bench --custom "mine:2,8,64,64x64,13x13,1,1,0"   # name:B,H,D,spatial,K,stride,dilation,causal
+    python -m ops.bench --out benchmarks/op_bench    # writes op_bench.csv and op_bench.json
+
+Per problem and backend: median ms (CUDA events through ``triton.testing.do_bench``), effective
+TFLOP/s (forward 4*B*H*N*W*D with W = keys a query actually visits; forward+backward counted as
+3.5x the forward), speedup over SDPA (``scaled_dot_product_attention`` on ``[B, H, N, D]``, dense,
+same tokens, timed in the same run), efficiency ``E = speedup / (SDPA FLOPs / NA FLOPs)``
+(= NA TFLOP/s over SDPA TFLOP/s), and GB/s for the bytes a perfect kernel must move (inputs read
+once, outputs written once) with its fraction of the copy bandwidth measured in the same run;
+problems whose FLOP/byte is under the measured matmul-rate / copy-bandwidth ratio are flagged
+memory-bound.  ``--check`` compares the fused output on a sample of queries with a float64
+gather reference built from ``ops.window`` (the dense oracle is too big for these sizes).
+Imports only torch, triton and ``ops``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import functional
+from .window import NAParams, keys_per_query, neighbor_table
+
+
+@dataclass
+class BenchProblem:
+    name: str
+    batch: int
+    heads: int
+    dim: int
+    spatial: tuple
+    kernel_size: tuple
+    stride: tuple = None
+    dilation: tuple = None
+    causal: tuple = None
+    rpb: bool = False
+
+    def __post_init__(self):
+        rank = len(self.spatial)
+        self.stride = self.stride or (1,) * rank
+        self.dilation = self.dilation or (1,) * rank
+        self.causal = self.causal or (False,) * rank
+
+    @property
+    def params(self) -> NAParams:
+        return functional.make_params(self.spatial, self.kernel_size, self.stride, self.dilation, self.causal)
+
+
+def standard_problems() -> list[BenchProblem]:
+    """DESIGN.md's problem set (plus the stride variants and nat-s1 with RPB for the backward)."""
+    P = BenchProblem
+    return [
+        P("1d-32k", 1, 16, 128, (32768,), (2048,)),
+        P("1d-32k-s256", 1, 16, 128, (32768,), (2048,), (256,)),
+        P("2d-flux", 1, 24, 128, (256, 256), (80, 80)),
+        P("2d-flux-s16", 1, 24, 128, (256, 256), (80, 80), (16, 16)),
+        P("3d-hunyuan", 1, 24, 128, (30, 48, 80), (18, 24, 24)),
+        P("3d-hunyuan-s16x8x8", 1, 24, 128, (30, 48, 80), (18, 24, 24), (16, 8, 8)),
+        P("3d-causal", 2, 16, 64, (16, 32, 32), (5, 7, 7), causal=(True, False, False)),
+        P("nat-s1", 128, 2, 32, (56, 56), (7, 7)),
+        P("nat-s1-rpb", 128, 2, 32, (56, 56), (7, 7), rpb=True),
+        P("dinat-s1", 128, 2, 32, (56, 56), (7, 7), dilation=(8, 8)),
+        P("nat-s3", 128, 8, 32, (14, 14), (7, 7)),
+    ]
+
+
+def parse_custom(text: str) -> BenchProblem:
+    """``name:B,H,D,spatial,K,stride,dilation,causal`` with per-axis values joined by 'x'."""
+    name, _, spec = text.partition(":")
+    fields = spec.split(",")
+    if len(fields) < 5:
+        raise ValueError(f"--custom: expected name:B,H,D,spatial,K[,stride,dilation,causal[,rpb]], got {text!r}")
+    axes = lambda s: tuple(int(x) for x in s.split("x"))  # noqa: E731
+    b, h, d = (int(x) for x in fields[:3])
+    spatial = axes(fields[3])
+    per_axis = lambda s: (axes(s) * len(spatial))[: len(spatial)] if "x" not in s else axes(s)  # noqa: E731
+    stride = per_axis(fields[5]) if len(fields) > 5 else None
+    dilation = per_axis(fields[6]) if len(fields) > 6 else None
+    causal = tuple(bool(c) for c in per_axis(fields[7])) if len(fields) > 7 else None
+    rpb = len(fields) > 8 and fields[8] not in ("0", "")
+    return BenchProblem(name, b, h, d, spatial, per_axis(fields[4]), stride, dilation, causal, rpb)
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    problem: str
+    backend: str
+    mode: str
+    ms: float | None = None
+    tflops: float | None = None
+    speedup_vs_sdpa: float | None = None
+    efficiency: float | None = None
+    gbps: float | None = None
+    bw_fraction: float | None = None
+    memory_bound: bool | None = None
+    check_rel_err: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _bench(fn, warmup_ms, rep_ms):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def measure_ceilings(device) -> dict:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate on this device."""
+    n = 1 << 28  # 512 MiB of bf16
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src), 25, 200)
+    copy_gbps = 2 * src.numel() * 2 / ms / 1e6
+    del src, dst
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = _bench(lambda: a @ b, 25, 200)
+    return {"copy_GBps": copy_gbps, "matmul_bf16_TFLOPs": 2 * 8192**3 / ms / 1e9}
+
+
+def _naive_too_big(p: BenchProblem, backward: bool) -> str | None:
+    # naive gathers every window in float32: B * N * W * Hkv * D * 4 bytes for keys and values each
+    gathered = 2 * p.batch * p.params.num_tokens * p.params.window_size * p.heads * p.dim * 4
+    limit = 2e10 if not backward else 1e10
+    if gathered > limit:
+        return f"skipped: naive would gather {gathered / 1e9:.0f} GB"
+    return None
+
+
+def _reference_sample(q, k, v, rpb, params, scale, samples, gen):
+    """float64 output of a random sample of queries (gather over ops.window's neighbor table)."""
+    b, n, h, d = q.shape[0], params.num_tokens, q.shape[-2], q.shape[-1]
+    idx = torch.randint(0, n, (samples,), generator=gen, device="cpu").to(q.device)
+    key, valid, rel = neighbor_table(params, queries=idx)
+    qf = q.reshape(b, n, h, d)[:, idx].double()  # [B, S, H, D]
+    kf = k.reshape(b, n, -1, d)
+    vf = v.reshape(b, n, -1, v.shape[-1])
+    group = h // kf.shape[2]
+    out = torch.empty(b, samples, h, v.shape[-1], dtype=torch.float64, device=q.device)
+    for s in range(samples):
+        ks = kf[:, key[s]].double().repeat_interleave(group, dim=2)  # [B, W, H, D]
+        vs = vf[:, key[s]].double().repeat_interleave(group, dim=2)
+        logits = torch.einsum("bhd,bwhd->bhw", qf[:, s], ks) * scale
+        if rpb is not None:
+            logits = logits + rpb.reshape(h, -1)[:, rel[s]].double()[None]
+        logits = logits.masked_fill(~valid[s][None, None], float("-inf"))
+        out[:, s] = torch.einsum("bhw,bwhd->bhd", torch.softmax(logits, -1), vs)
+    return idx, out
+
+
+def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log) -> list[Row]:
+    device = torch.device("cuda")
+    params = p.params
+    n = params.num_tokens
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (p.batch, *p.spatial, p.heads, p.dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    rpb = torch.randn(p.heads, *params.rpb_shape, device=device, dtype=torch.float32, generator=gen) * 0.5 \
+        if p.rpb else None
+    d_out = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+    mode = "fwd+bwd" if backward else "fwd"
+    factor = 3.5 if backward else 1.0
+    w = keys_per_query(params)
+    na_flops = factor * 4 * p.batch * p.heads * n * w * p.dim
+    sdpa_flops = factor * 4 * p.batch * p.heads * n * n * p.dim
+    elem = torch.finfo(dtype).bits // 8
+    tensor_bytes = p.batch * n * p.heads * p.dim * elem
+    # forward: read q, k, v, write out (+ lse fp32); backward adds read q, k, v, out, dout, lse, write dq, dk, dv
+    lse_bytes = p.batch * n * p.heads * 4
+    min_bytes = 4 * tensor_bytes + lse_bytes + (8 * tensor_bytes + lse_bytes if backward else 0)
+    balance = ceilings["matmul_bf16_TFLOPs"] * 1e12 / (ceilings["copy_GBps"] * 1e9)
+    memory_bound = na_flops / min_bytes < balance
+    rows = []
+
+    # Dense SDPA baseline on [B, H, N, D].
+    sq, sk, sv = (t.reshape(p.batch, n, p.heads, p.dim).transpose(1, 2).contiguous() for t in (q, k, v))
+    sdo = d_out.reshape(p.batch, n, p.heads, p.dim).transpose(1, 2).contiguous()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if backward:
+        for t in (sq, sk, sv):
+            t.requires_grad_(True)
+
+        def sdpa_fn():
+            sdpa(sq, sk, sv).backward(sdo)
+    else:
+        def sdpa_fn():
+            sdpa(sq, sk, sv)
+    t0 = time.time()
+    sdpa_ms = _bench(sdpa_fn, args.warmup, args.rep)
+    rows.append(Row(p.name, "sdpa", mode, sdpa_ms, sdpa_flops / sdpa_ms / 1e9, 1.0, None, None, None, None,
+                    note="dense, same tokens"))
+    log(f"  sdpa       {sdpa_ms:9.3f} ms  ({time.time() - t0:.1f}s)")
+    del sq, sk, sv, sdo
+
+    fn_rank = {1: functional.na1d, 2: functional.na2d, 3: functional.na3d}[params.rank]
+    for name in backends:
+        row = Row(p.name, name, mode)
+        rows.append(row)
+        if name == "naive":
+            reason = _naive_too_big(p, backward)
+            if reason:
+                row.note = reason
+                log(f"  {name:10s} {reason}")
+                continue
+        qq, kk, vv = q, k, v
+        rr = rpb
+        if backward:
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            rr = rpb.detach().requires_grad_(True) if rpb is not None else None
+
+        def call():
+            return fn_rank(qq, kk, vv, p.kernel_size, p.stride, p.dilation, p.causal, rpb=rr, backend=name)
+
+        if backward:
+            def fn():
+                call().backward(d_out)
+        else:
+            fn = call
+        t0 = time.time()
+        try:
+            fn()  # first call: compile / autotune outside the timing
+            torch.cuda.synchronize()
+            first = time.time() - t0
+            ms = _bench(fn, args.warmup, args.rep)
+        except Exception as err:  # a backend that cannot run this problem: report, keep going
+            row.note = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            log(f"  {name:10s} {row.note}")
+            torch.cuda.empty_cache()
+            continue
+        row.ms = ms
+        row.tflops = na_flops / ms / 1e9
+        row.speedup_vs_sdpa = sdpa_ms / ms
+        row.efficiency = row.speedup_vs_sdpa * na_flops / sdpa_flops
+        row.gbps = min_bytes / ms / 1e6
+        row.bw_fraction = row.gbps / ceilings["copy_GBps"]
+        row.memory_bound = memory_bound
+        row.extra["first_call_s"] = round(first, 2)
+        if name == "fused" and args.check and not backward:
+            with torch.no_grad():
+                out = call()
+                scale = p.dim**-0.5
+                idx, ref = _reference_sample(q, k, v, rpb, params, scale, args.check, torch.Generator().manual_seed(1))
+                got = out.reshape(p.batch, n, p.heads, p.dim)[:, idx].double()
+                row.check_rel_err = ((got - ref).abs().max() / ref.abs().max()).item()
+        log(f"  {name:10s} {ms:9.3f} ms  {row.tflops:7.1f} TFLOP/s  x{row.speedup_vs_sdpa:6.2f} vs SDPA  "
+            f"E={row.efficiency:5.2f}  {row.gbps:7.0f} GB/s ({100 * row.bw_fraction:4.1f}% copy)"
+            + (f"  check {row.check_rel_err:.1e}" if row.check_rel_err is not None else "")
+            + f"  (first call {first:.1f}s)")
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = "| problem | mode | backend | ms | TFLOP/s | x SDPA | E | GB/s | % copy BW | note |"
+    lines = [head, "|" + "---|" * 10]
+    f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
+    for r in rows:
+        note = r.note + (" (memory-bound)" if r.memory_bound else "")
+        if r.check_rel_err is not None:
+            note += f" check {r.check_rel_err:.1e}"
+        lines.append(f"| {r.problem} | {r.mode} | {r.backend} | {f(r.ms, '.3f')} | {f(r.tflops, '.1f')} | "
+                     f"{f(r.speedup_vs_sdpa, '.2f')} | {f(r.efficiency, '.2f')} | {f(r.gbps, '.0f')} | "
+                     f"{f(None if r.bw_fraction is None else 100 * r.bw_fraction, '.1f')} | {note.strip()} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m ops.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--problems", default="all", help="comma-separated names from the standard set, or 'all'")
+    ap.add_argument("--custom", action="append", default=[], help="name:B,H,D,spatial,K[,stride,dilation,causal,rpb]")
+    ap.add_argument("--backends", default="fused,flex,naive")
+    ap.add_argument("--backward", action="store_true", help="time forward + backward")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--autotune", action="store_true", help="tune fused kernels (cached on disk) before timing")
+    ap.add_argument("--check", type=int, default=0, help="check fused on this many sampled queries (fwd only)")
+    ap.add_argument("--warmup", type=float, default=25, help="do_bench warm-up (ms)")
+    ap.add_argument("--rep", type=float, default=100, help="do_bench repetition budget (ms)")
+    ap.add_argument("--out", default=None, help="path prefix for .csv / .json results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.autotune:
+        from .fused import autotune
+
+        autotune.set_autotune(True)
+    problems = standard_problems()
+    if args.problems != "all":
+        wanted = args.problems.split(",") if args.problems else []
+        known = {p.name: p for p in problems}
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            ap.error(f"unknown problems {unknown}; choose from {sorted(known)}")
+        problems = [known[w] for w in wanted]
+    problems += [parse_custom(c) for c in args.custom]
+    backends = [b for b in args.backends.split(",") if b]
+
+    def log(msg):
+        print(msg, flush=True)
+
+    env = {
+        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": __import__("triton").__version__, "dtype": args.dtype,
+        "command": "python -m ops.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    env.update(measure_ceilings(torch.device("cuda")))
+    log(json.dumps(env))
+    rows = []
+    for p in problems:
+        log(f"{p.name}: B={p.batch} H={p.heads} D={p.dim} spatial={p.spatial} K={p.kernel_size} s={p.stride} "
+            f"d={p.dilation} causal={p.causal} rpb={p.rpb}")
+        rows += run_problem(p, backends, args.backward, dtype, env, args, log)
+        torch.cuda.empty_cache()
+    table = format_table(rows)
+    print(table)
+    if args.out:
+        with open(args.out + ".json", "w") as fh:
+            json.dump({"env": env, "rows": [asdict(r) for r in rows]}, fh, indent=1)
+        with open(args.out + ".csv", "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=[k for k in asdict(rows[0]) if k != "extra"])
+            writer.writeheader()
+            for r in rows:
+                writer.writerow({k: v for k, v in asdict(r).items() if k != "extra"})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

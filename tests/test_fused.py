@@ -1,0 +1,245 @@
+"""Backend ``fused`` (Triton) against the dense float64 oracle, forward and backward.
+
+Without CUDA the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set here before
+Triton is imported), on small problems: every window rule (1/2/3-D, stride, dilation, causal per
+axis, RPB, GQA, odd sizes, several tile shapes so that masked and unmasked tiles both occur).
+Tolerances: interpreter float32 is exact float32 math (1e-5 relative to the output scale); on the
+GPU float32 matmuls run in tf32 (3e-3); bfloat16 / float16 inputs 3e-2 / 1e-2.
+Every output buffer of the kernels is poisoned with NaN first (so an unwritten element fails).
+"""
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of triton code
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+import ops  # noqa: E402
+from ops.backends import Problem  # noqa: E402
+from ops.fused import BACKEND, autotune, launch  # noqa: E402
+from ops.fused.autotune import Config  # noqa: E402
+from ops.window import NAParams  # noqa: E402
+from tests.oracle import RandomProblem, oracle_attention, random_problem  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+pytestmark = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(), reason="needs CUDA or interpreter")
+
+TOL = {torch.float32: 1e-5 if INTERPRETED else 3e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Every buffer the kernels write starts as NaN."""
+    monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                     device=device))
+
+
+def _rel_err(got, ref):
+    got = got.double().cpu()
+    ref = ref.double().cpu()
+    assert torch.isfinite(got).all(), "non-finite values (unwritten output?)"
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def _run(p: RandomProblem, dtype, grads=False, seed=0, extra=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q, k, v, rpb = p.tensors(dtype=dtype, device=DEVICE, generator=gen, requires_grad=grads)
+    if rpb is not None:  # the module keeps rpb in float32 whatever the activations are
+        rpb = rpb.detach().float().requires_grad_(grads)
+    ek = ev = None
+    if extra:
+        ek = torch.randn(p.batch, extra, p.heads_kv, p.dim, dtype=dtype, device=DEVICE, generator=gen)
+        ev = torch.randn(p.batch, extra, p.heads_kv, p.dim_v, dtype=dtype, device=DEVICE, generator=gen)
+    out, lse = ops.neighborhood_attention(len(p.spatial), q, k, v, **p.kwargs(), rpb=rpb, additional_keys=ek,
+                                          additional_values=ev, return_lse=True, backend="fused")
+    ref_in = [t.detach().double().cpu().requires_grad_(grads) if t is not None else None for t in (q, k, v, rpb)]
+    ref_out, ref_lse = oracle_attention(*ref_in[:3], p.spatial, p.kernel_size, p.stride, p.dilation, p.causal,
+                                        rpb=ref_in[3], extra_k=None if ek is None else ek.double().cpu(),
+                                        extra_v=None if ev is None else ev.double().cpu())
+    tol = TOL[dtype]
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert _rel_err(out, ref_out) < tol
+    assert _rel_err(lse, ref_lse) < tol
+    if not grads:
+        return
+    d_out = torch.randn(out.shape, dtype=dtype, device=DEVICE, generator=gen)
+    d_lse = torch.randn(lse.shape, dtype=torch.float32, device=DEVICE, generator=gen)
+    inputs = [t for t in (q, k, v, rpb) if t is not None]
+    got = torch.autograd.grad((out.float() * d_out.float()).sum() + (lse * d_lse).sum(), inputs)
+    ref_inputs = [t for t in ref_in if t is not None]
+    ref = torch.autograd.grad((ref_out * d_out.double().cpu()).sum() + (ref_lse * d_lse.double().cpu()).sum(),
+                              ref_inputs)
+    for name, g, r in zip("q k v rpb".split(), got, ref):
+        assert g.dtype == (torch.float32 if name == "rpb" else dtype)
+        err = _rel_err(g, r)
+        assert err < 4 * tol, f"d{name}: relative error {err:.2e}"
+
+
+def _problems(seed, count, max_tokens, max_dim):
+    rng = random.Random(seed)
+    return [random_problem(rng, rank=1 + i % 3, max_tokens=max_tokens, max_dim=max_dim) for i in range(count)]
+
+
+@pytest.mark.parametrize("p", _problems(1, 9, 72, 24), ids=lambda p: f"{p.spatial}-K{p.kernel_size}")
+def test_forward_random(p):
+    _run(p, torch.float32)
+
+
+@pytest.mark.parametrize("p", _problems(2, 6, 40, 20), ids=lambda p: f"{p.spatial}-K{p.kernel_size}")
+def test_backward_random(p):
+    _run(p, torch.float32, grads=True, seed=3)
+
+
+def _fixed(spatial, K, s=1, d=1, c=False, heads=2, heads_kv=1, dim=16, dim_v=16, rpb=False, batch=1):
+    rank = len(spatial)
+    tup = lambda x: x if isinstance(x, tuple) else (x,) * rank  # noqa: E731
+    return RandomProblem(spatial, tup(K), tup(s), tup(d), tup(c), batch, heads, heads_kv, dim, dim_v, rpb)
+
+
+# Small tiles on larger axes: unmasked (interior) tiles, masked border tiles and multi-tile loops
+# in every kernel, plus the dilation / stride / causal / RPB / GQA paths.
+TILED = [
+    _fixed((96,), 40, dim=32, dim_v=16, heads=1),
+    _fixed((60,), 21, s=7, d=2, c=True, heads=2, heads_kv=1),
+    _fixed((12, 10), (7, 3), rpb=True, dim=24, heads=1),
+    _fixed((4, 6, 8), (3, 3, 4), s=(2, 1, 3), d=(1, 2, 1), c=(True, False, False), heads=1),
+]
+TILED_SLOW = [
+    _fixed((20, 18), (9, 7), rpb=True, dim=24),
+    _fixed((19, 21), (5, 9), s=(5, 2), d=(2, 1), c=(True, False)),
+    _fixed((6, 10, 8), (3, 5, 4), rpb=True, heads=2, heads_kv=2),
+    _fixed((8, 7, 9), (4, 3, 3), s=(2, 1, 3), d=(1, 2, 2), c=(True, False, False), batch=2),
+]
+
+
+@pytest.mark.parametrize("p", TILED + [pytest.param(p, marks=pytest.mark.slow) for p in TILED_SLOW],
+                         ids=lambda p: f"{p.spatial}-K{p.kernel_size}")
+def test_small_tiles_forward_backward(p):
+    small = Config(16, 16, 4, 1)
+    with autotune.forced(fwd=small, dq=small, dkdv=small, drpb=Config(16, 1, 4, 1)):
+        _run(p, torch.float32, grads=True, seed=5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    _run(_fixed((8, 10), (5, 3), d=(1, 2), rpb=True, heads=2, heads_kv=1, dim=32, dim_v=32), dtype, grads=True)
+
+
+def test_additional_keys_merge_through_lse():
+    """functional.py merges extra keys through the lse: the lse gradient path of the backward."""
+    _run(_fixed((30,), 7, s=2, heads=2, heads_kv=1), torch.float32, grads=True, extra=5)
+
+
+def test_only_lse_used():
+    """Gradient through the lse alone (out unused) reaches q and k."""
+    p = _fixed((24,), 5)
+    q, k, v, _ = p.tensors(dtype=torch.float32, device=DEVICE, requires_grad=True)
+    _, lse = ops.na1d(q, k, v, 5, return_lse=True, backend="fused")
+    lse.sum().backward()
+    ref_q = q.detach().double().cpu().requires_grad_()
+    _, ref_lse = oracle_attention(ref_q, k.detach().double().cpu(), v.detach().double().cpu(), (24,), (5,), (1,),
+                                  (1,), (False,))
+    ref_lse.sum().backward()
+    assert _rel_err(q.grad, ref_q.grad) < 4 * TOL[torch.float32]
+    assert v.grad.abs().max() < 1e-6  # values do not affect the lse
+
+
+def _problem(device="cpu", dtype=torch.float32, head_dim=16):
+    params = NAParams((8, 8), (3, 3), (1, 1), (1, 1), (False, False))
+    return Problem(params, dtype, torch.device(device), head_dim, head_dim, 2, 2, False, False)
+
+
+def test_unsupported_reasons(monkeypatch):
+    assert BACKEND.unsupported(_problem()) is None or not INTERPRETED
+    assert "float64" in BACKEND.unsupported(_problem(dtype=torch.float64))
+    assert "head dim" in BACKEND.unsupported(_problem(head_dim=512))
+    import ops.fused as fused
+
+    monkeypatch.setattr(fused, "_INTERPRETED", False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reason = BACKEND.unsupported(_problem())
+    assert "CUDA" in reason and "TRITON_INTERPRET=1" in reason
+    with pytest.raises(ValueError, match="fused"):
+        q = torch.randn(1, 8, 8, 2, 16)
+        ops.na2d(q, q, q, 3, backend="fused")
+
+
+def test_custom_op_opcheck():
+    from ops.fused.op import fused_na_forward
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device=DEVICE, generator=gen, requires_grad=True)  # noqa: E731
+    q, k, v = mk(1, 5, 6, 2, 16), mk(1, 5, 6, 1, 16), mk(1, 5, 6, 1, 16)
+    rpb = mk(2, 5, 3)
+    args = (q, k, v, rpb, [3, 2], [1, 2], [1, 2], [False, False], 0.3)
+    torch.library.opcheck(fused_na_forward, args, test_utils=("test_schema", "test_autograd_registration",
+                                                              "test_faketensor"))
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    """No graph break: the op (forward and backward) is opaque to dynamo, shapes from the fake impls."""
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    mk = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    q, k, v, rpb = mk(2, 6, 7, 2, 16), mk(2, 6, 7, 2, 16), mk(2, 6, 7, 2, 16), mk(2, 5, 5)
+
+    def f(q, k, v, rpb):
+        return ops.na2d(q, k, v, 3, dilation=(2, 1), rpb=rpb, backend="fused").square().sum()
+
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(*inputs)
+    loss.backward()
+    eager = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+    ref = f(*eager)
+    ref.backward()
+    assert torch.allclose(loss, ref, rtol=1e-6)
+    for a, b in zip(inputs, eager):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
+    monkeypatch.setenv("NAMODELS_FUSED_CACHE", str(tmp_path / "tune.json"))
+    monkeypatch.setattr(autotune, "_cache", None)
+    p = _fixed((20,), 5)
+    q, k, v, _ = p.tensors(dtype=torch.float32, device=DEVICE)
+    params = NAParams((20,), (5,), (1,), (1,), (False,))
+    key = autotune.problem_key("fwd", q, k, v, params, False)
+    autotune._store(key, {"outer_tile": [1, 1, 16], "inner_tile": [1, 1, 32], "num_warps": 2, "num_stages": 1})
+    monkeypatch.setattr(autotune, "_cache", None)  # force a reload from disk
+    got = autotune.pick("fwd", q, k, v, params, False, run=None)
+    assert got == autotune.Launch((1, 1, 16), (1, 1, 32), 2, 1)
+    out = ops.na1d(q, k, v, 5, backend="fused")  # runs with the cached (unusual) tiles
+    ref, _ = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), (20,), (5,), (1,), (1,),
+                              (False,))
+    assert _rel_err(out, ref) < TOL[torch.float32]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (run on the device machine: pytest -m gpu tests/test_fused.py)
+# ------------------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA (compiled kernels)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(4))
+def test_gpu_random_problems(dtype, seed):
+    rng = random.Random(1000 + seed)
+    for rank in (1, 2, 3):
+        p = random_problem(rng, rank=rank, max_tokens=400, max_dim=64)
+        p.dim = max(p.dim, 8)
+        _run(p, dtype, grads=True, seed=seed)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dim", [16, 32, 64, 128, 256])
+def test_gpu_head_dims(dim):
+    _run(_fixed((14, 18), (7, 5), d=(2, 1), rpb=True, heads=4, heads_kv=2, dim=dim, dim_v=dim), torch.bfloat16,
+         grads=True)
