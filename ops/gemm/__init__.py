@@ -19,14 +19,16 @@ from .autograd import AV, QK, Attention
 
 __all__ = ["BACKEND", "GemmBackend", "QK", "AV", "Attention", "operators"]
 
-# Fraction of the free memory the float32 weights of ONE batch element may take (the registry's
-# Problem carries no batch size, so larger batches can still run out of memory).
-MEMORY_FRACTION = 0.5
+# Fraction of the free memory that the weights of ONE batch element may take (the registry's Problem
+# carries no batch size, so a large batch can still run out of memory).
+MEMORY_FRACTION = 0.9
 
 
 def _free_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free = torch.cuda.mem_get_info(device)[0]
+        # memory PyTorch has cached but not handed out is free for our allocations too
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if device.type == "cpu" and hasattr(os, "sysconf"):
         try:
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -35,13 +37,21 @@ def _free_bytes(device: torch.device) -> int | None:
     return None
 
 
+def weight_bytes(problem) -> int:
+    """Bytes of weights per batch element: float32 logits (float64 for float64), and when training on
+    the Triton path with 16-bit inputs a separate dS in that precision (otherwise dS overwrites them)."""
+    per_slot = 8 if problem.dtype == torch.float64 else 4
+    itemsize = torch.empty((), dtype=problem.dtype).element_size()
+    if problem.requires_grad and itemsize < 4:
+        per_slot += itemsize
+    return problem.params.num_tokens * problem.heads_q * problem.params.window_size * per_slot
+
+
 class GemmBackend:
     name = "gemm"
 
     def unsupported(self, problem) -> str | None:
-        params = problem.params
-        # logits (float32) and, when training, dS: per batch element
-        weights = params.num_tokens * problem.heads_q * params.window_size * 4 * (2 if problem.requires_grad else 1)
+        weights = weight_bytes(problem)
         free = _free_bytes(torch.device(problem.device))
         if free is not None and weights > MEMORY_FRACTION * free:
             return (f"attention weights need {weights / 2**30:.1f} GiB per batch element, "

@@ -100,6 +100,9 @@ def bench_cuda(naive_budget: float, problems, dtypes):
     for name in problems:
         problem = PROBLEMS[name]
         for dtype in dtypes:
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            print(f"{name} {dtype}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free", flush=True)
             if name != "2d-flux":  # (naive takes minutes there: checked on smaller problems by the tests)
                 err = check_cuda(problem, dtype)
                 print(f"{name} {dtype}: max relative error gemm vs naive (out, dq, dk, dv) = {err:.2e}", flush=True)
