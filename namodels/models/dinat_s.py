@@ -160,9 +160,11 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _build(variant, pretrained, depths, num_heads, embed_dim, drop_path_rate, every_other, **kwargs):
+def _build(variant, pretrained, depths, num_heads, embed_dim, default_drop_path_rate, every_other, **kwargs):
+    # drop_path_rate=... from the caller (e.g. a training config) replaces the variant's default
     arch = dict(depths=depths, num_heads=num_heads, embed_dim=embed_dim, mlp_ratio=4, kernel_size=7,
-                drop_path_rate=drop_path_rate, dilations=dilated(depths, every_other))
+                drop_path_rate=kwargs.pop("drop_path_rate", default_drop_path_rate),
+                dilations=dilated(depths, every_other))
     return _create_dinat_s(variant, pretrained, **dict(arch, **kwargs))
 
 
