@@ -26,13 +26,16 @@ def inception_weights_path(path: str | None) -> str:
     """Resolves the Inception weights file: ``path`` may be the file or a folder holding it
     (default: ``$TORCH_HOME/hub/checkpoints``).  Raises ``ValueError`` naming the expected file."""
     if path is None:
-        path = os.path.join(torch.hub.get_dir(), "checkpoints")
-    candidate = os.path.join(path, INCEPTION_WEIGHTS_FILE) if os.path.isdir(path) else path
+        candidate = os.path.join(torch.hub.get_dir(), "checkpoints", INCEPTION_WEIGHTS_FILE)
+    else:
+        path = os.path.expanduser(str(path))
+        candidate = os.path.join(path, INCEPTION_WEIGHTS_FILE) if os.path.isdir(path) else path
     if not os.path.isfile(candidate):
         raise ValueError(
             f"inception_weights: FID needs the Inception weights file {INCEPTION_WEIGHTS_FILE!r} (torch-fidelity's "
             f"port of the TF Inception 2015-12-05 network) but {candidate!r} does not exist. Download it once from "
-            f"{INCEPTION_WEIGHTS_URL} and pass its path (or its folder) as inception_weights=..."
+            f"{INCEPTION_WEIGHTS_URL} and pass its path (or its folder) as inception_weights=... (eval.py: "
+            f"task.inception_weights=... or $NAMODELS_INCEPTION_WEIGHTS)"
         )
     return candidate
 
@@ -120,4 +123,40 @@ def compute_fid(generator, real_images: Iterable, num_fake: int = 50000, num_rea
     if kid:
         mean, std = metrics["kid"].compute()
         result.update(kid_mean=float(mean), kid_std=float(std))
+    return result
+
+
+def run(cfg) -> dict:
+    """eval.py task=fid: FID (KID) of ``ckpt_path``'s generator against ``data``'s real images."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    import ops
+    from namodels.data.images import GANDataModule
+    from namodels.tasks.generate import generator_from_eval_config
+
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    if "source" not in data:
+        raise ValueError(f"data: FID needs real images from an image data config (data=skimage, or data=ffhq "
+                         f"data.root=...), got data={data.get('name')!r}")
+    generator, source = generator_from_eval_config(cfg)
+    t = cfg.task
+    if data.get("resolution") != generator.size:
+        data["resolution"] = generator.size  # real images at the generator's size
+    keys = ("source", "root", "resolution", "num_workers", "length", "min_scale", "max_images")
+    dm = GANDataModule(**{k: data[k] for k in keys if data.get(k) is not None}, batch_size=int(t.batch_size),
+                       seed=int(cfg.get("seed", 0)))
+    with ops.use_backend(cfg.model.get("backend") if cfg.get("model") else None):
+        result = compute_fid(generator, dm.real_dataloader(), num_fake=int(t.num_fake),
+                             num_real=t.get("num_real"), batch_size=int(t.batch_size),
+                             truncation=float(t.truncation), seed=int(t.seed),
+                             inception_weights=t.get("inception_weights"), kid=bool(t.kid),
+                             kid_subset_size=int(t.kid_subset_size))
+    result = {"checkpoint": source, "data": data.get("name"), "truncation": float(t.truncation), **result}
+    out = cfg.get("results_file") or os.path.join(cfg.paths.output_dir, "fid.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2), flush=True)
     return result

@@ -22,6 +22,7 @@ reference the same tensors (``torch.save`` stores shared storages once).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any, Mapping
@@ -167,30 +168,45 @@ def build_discriminator(cfg: Mapping[str, Any] | nn.Module) -> nn.Module:
     return cfg if isinstance(cfg, nn.Module) else StyleNATDiscriminator(**dict(cfg))
 
 
-def load_generator(path: str, which: str = "g_ema", generator_cfg: Mapping[str, Any] | None = None,
-                   map_location="cpu", w_avg_samples: int = 10000) -> StyleNATGenerator:
+def load_generator(path: str, which: str = "g_ema", release_cfg: Mapping[str, Any] | None = None,
+                   map_location="cpu", w_avg_samples: int = 10000, backend: str | None = None) -> StyleNATGenerator:
     """A generator (eval mode) from a checkpoint file.
 
-    Reads our Lightning checkpoints (configuration from their hyper-parameters unless
-    ``generator_cfg`` is given) and the released StyleNAT files (``generator_cfg`` describes the
-    model; default: FFHQ-256).  ``which``: ``g_ema`` (default) or ``g``.
+    Reads our Lightning checkpoints (configuration from their hyper-parameters), our exported
+    ``.safetensors`` (configuration in the metadata) and the released StyleNAT files, which carry no
+    configuration: ``release_cfg`` (keyword arguments of :class:`StyleNATGenerator`) describes them,
+    default FFHQ-256.  ``which``: ``g_ema`` (default) or ``g``; ``backend`` overrides the NA backend.
     """
     if which not in ("g", "g_ema"):
         raise ValueError(f"which: expected 'g' or 'g_ema', got {which!r}")
     if not os.path.isfile(path):
-        raise ValueError(f"checkpoint: file {path!r} does not exist")
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    ours = "state_dict" in ckpt and "hyper_parameters" in ckpt
-    if ours:
-        cfg = generator_cfg if generator_cfg is not None else ckpt["hyper_parameters"].get("generator")
+        raise ValueError(f"ckpt_path: {path!r} does not exist")
+    override = {} if backend is None else {"backend": backend}
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+            state = {k: f.get_tensor(k) for k in f.keys()}
+        cfg = json.loads(meta.get("generator", "null") or "null")
         if cfg is None:
-            raise ValueError("generator_cfg: the checkpoint stores no generator configuration; pass generator_cfg")
-        gen = build_generator(cfg)
+            raise ValueError(f"ckpt_path: {path!r} carries no generator configuration (not exported by GANTask)")
+        gen = build_generator({**dict(cfg), **override})
+        gen.load_state_dict(state)
+        return gen.eval().requires_grad_(False)
+    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    if "state_dict" in ckpt and "hyper_parameters" in ckpt:  # ours (Lightning)
+        cfg = ckpt["hyper_parameters"].get("generator")
+        if cfg is None:
+            raise ValueError(f"ckpt_path: {path!r} stores no generator configuration (not a GAN checkpoint)")
+        gen = build_generator({**dict(cfg), **override})
         prefix = "ema.module." if which == "g_ema" else "generator."
         state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+        if not state:
+            raise ValueError(f"ckpt_path: {path!r} holds no {prefix}* weights (not a GAN checkpoint?)")
         gen.load_state_dict(state)
     else:
-        gen = build_generator(generator_cfg or {"size": 256})
+        gen = build_generator({**dict(release_cfg or {"size": 256}), **override})
         load_official_generator(gen, ckpt, which, w_avg_samples=w_avg_samples)
     return gen.eval().requires_grad_(False)
 
@@ -384,13 +400,28 @@ class GANTask(L.LightningModule):
 
         n = self.hparams.sample_grid
         if path is None:
-            root = (self.trainer.log_dir if self.trainer is not None and self.trainer.log_dir else None) or "."
+            root = self.trainer.default_root_dir if self.trainer is not None else "."
             path = os.path.join(root, "samples", f"kimg{self.kimg:09.3f}.png")
         imgs = self.g_ema.sample(n, seed=self.hparams.sample_seed, device=self.device)
         save_grid(imgs, path, nrow=int(math.ceil(math.sqrt(n))))
         return path
 
     # --- checkpoints -----------------------------------------------------------------------
+
+    def export_weights(self, directory: str, source: str | None = None) -> list[str]:
+        """train.py's export hook: ``g_ema.safetensors`` and ``g.safetensors`` with the generator
+        configuration in the metadata (``load_generator`` reads them)."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        meta = {"generator": json.dumps(dict(self.hparams.generator)), "kimg": f"{self.kimg:.3f}",
+                "source": str(source or "")}
+        paths = []
+        for name, module in (("g_ema", self.g_ema), ("g", self.generator)):
+            path = os.path.join(directory, f"{name}.safetensors")
+            save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, path, metadata=meta)
+            paths.append(path)
+        return paths
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The release's layout, referencing the same tensors as `state_dict` / `optimizer_states`.

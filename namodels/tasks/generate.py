@@ -57,3 +57,59 @@ def generate_images(generator, out_dir: str, num_images: int = 16, seeds: Sequen
             save_image(to_unit_range(img), path)
             result["images"].append(path)
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# eval.py entry points (configs/task/generate.yaml, fid.yaml)
+# ---------------------------------------------------------------------------------------------
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def generator_from_eval_config(cfg) -> tuple:
+    """(generator on its device, description) for eval.py's ``ckpt_path`` / ``weights`` /
+    ``model`` settings and the task's ``which`` / ``device``."""
+    from omegaconf import OmegaConf
+
+    from namodels.tasks.gan import load_generator
+
+    ckpt_path = cfg.get("ckpt_path")
+    if not ckpt_path:
+        raise ValueError(f"ckpt_path: task={cfg.task.name} needs a generator checkpoint (a train.py .ckpt, an exported "
+                         "g_ema.safetensors or a released StyleNAT .pt)")
+    which = cfg.task.get("which", "auto")
+    if which == "auto":
+        which = {"raw": "g"}.get(str(cfg.get("weights", "auto")), "g_ema")
+    if which not in ("g", "g_ema"):
+        raise ValueError(f"task.which: expected auto, g_ema or g, got {which!r}")
+    model = cfg.get("model") or {}
+    gen_cfg = model.get("generator")
+    gen_cfg = OmegaConf.to_container(gen_cfg, resolve=True) if gen_cfg is not None and not isinstance(gen_cfg, dict) \
+        else gen_cfg
+    path = os.path.expanduser(str(ckpt_path))
+    # model.generator (e.g. model=stylenat_ffhq1024) describes released files; ours carry their config.
+    generator = load_generator(path, which, release_cfg=gen_cfg, backend=model.get("backend"))
+    return generator.to(_device(cfg.task.get("device", "auto"))), f"{path} ({which})"
+
+
+def run(cfg) -> dict:
+    """eval.py task=generate."""
+    import json
+
+    import ops
+
+    generator, source = generator_from_eval_config(cfg)
+    t = cfg.task
+    seeds = list(t.seeds) if t.get("seeds") is not None else None
+    with ops.use_backend(cfg.model.get("backend") if cfg.get("model") else None):
+        result = generate_images(generator, str(t.out_dir), num_images=int(t.num_images), seeds=seeds,
+                                 seed=int(t.seed), truncation=float(t.truncation), batch_size=int(t.batch_size),
+                                 grid=bool(t.grid), individual=bool(t.individual))
+    summary = {"checkpoint": source, "grid": result["grid"], "num_images": len(result["seeds"]),
+               "seeds": result["seeds"], "truncation": float(t.truncation), "out_dir": str(t.out_dir)}
+    print(json.dumps(summary, indent=2), flush=True)
+    return summary
