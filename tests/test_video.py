@@ -75,10 +75,11 @@ def test_rope_is_relative():
     rope = VideoRope(12)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 12, generator=g, dtype=torch.float64)
-    cos, sin = rope.tables(torch.arange(40), 8, 8, torch.float64)  # [40, 8, 8, 1, 6]
+    rot = rope.tables(torch.arange(40), 8, 8, torch.float64)  # [40, 8, 8, 1, 6]
+    assert rot.dtype == torch.complex128 and torch.allclose(rot.abs(), torch.ones(()).double())
 
     def logit(pq, pk):
-        return (rope.rotate(q, cos[pq][0], sin[pq][0]) * rope.rotate(k, cos[pk][0], sin[pk][0])).sum()
+        return (rope.rotate(q, rot[pq][0]) * rope.rotate(k, rot[pk][0])).sum()
 
     assert torch.allclose(logit((3, 1, 2), (1, 0, 4)), logit((33, 2, 3), (31, 1, 5)))
     assert not torch.allclose(logit((3, 1, 2), (1, 0, 4)), logit((3, 1, 2), (2, 0, 4)))

@@ -68,8 +68,9 @@ class VideoRope(nn.Module):
         freqs = self.theta ** (-torch.arange(n, dtype=torch.float64, device=positions.device) / n)
         return positions.to(torch.float64)[:, None] * freqs  # [L, n]
 
-    def tables(self, t_positions: torch.Tensor, h: int, w: int, dtype: torch.dtype):
-        """``(cos, sin)`` of shape ``[T, h, w, 1, head_dim // 2]`` for frames at ``t_positions``."""
+    def tables(self, t_positions: torch.Tensor, h: int, w: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Unit complex rotations ``[T, h, w, 1, head_dim // 2]`` for frames at ``t_positions``
+        (complex128 for float64 ``dtype``, else complex64)."""
         dev = t_positions.device
         at = self._axis_angles(t_positions, self.pairs[0])
         ay = self._axis_angles(torch.arange(h, device=dev), self.pairs[1])
@@ -80,13 +81,15 @@ class VideoRope(nn.Module):
             ay[None, :, None, :].expand(T, h, w, -1),
             ax[None, None, :, :].expand(T, h, w, -1),
         ], dim=-1)
-        return torch.cos(angles).to(dtype)[..., None, :], torch.sin(angles).to(dtype)[..., None, :]
+        rot = torch.polar(torch.ones_like(angles), angles)
+        return (rot if dtype == torch.float64 else rot.to(torch.complex64))[..., None, :]
 
     @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotates consecutive pairs (x0, x1) of the last axis by the angles in ``cos``/``sin``."""
-        x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
-        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    def rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """Rotates consecutive pairs (x0, x1) of the last axis of ``x`` by the unit complex ``rot``."""
+        real = torch.float64 if rot.dtype == torch.complex128 else torch.float32
+        xc = torch.view_as_complex(x.to(real).unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------- attention
@@ -128,26 +131,26 @@ class CausalVideoAttention(ops.NeighborhoodAttention3D):
                          backend=backend)
         self.rope = VideoRope(self.head_dim, rope_theta)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, rot: torch.Tensor):
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
-        return self.rope.rotate(q, cos, sin), self.rope.rotate(k, cos, sin), v
+        return self.rope.rotate(q, rot), self.rope.rotate(k, rot), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x: [B, T, h, w, C]``; ``cos``/``sin`` from :meth:`VideoRope.tables`."""
+    def forward(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """``x: [B, T, h, w, C]``; ``rot`` from :meth:`VideoRope.tables`."""
         if x.dim() != 5 or x.shape[-1] != self.dim:
             raise ValueError(f"x: expected [B, T, h, w, {self.dim}], got {tuple(x.shape)}")
         T, h, w = x.shape[1:4]
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self._qkv(x, rot)
         kt, ks = self.kernel_size[0], self.kernel_size[1]
         dil = spatial_dilation((h, w), ks, self.dilation[1])
         out = ops.na3d(q, k, v, (min(kt, T), ks, ks), dilation=(1, *dil), is_causal=(True, False, False),
                        backend=self.backend)
         return self.proj_drop(self.proj(out.flatten(-2)))
 
-    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "_KVRing") -> torch.Tensor:
+    def step(self, x: torch.Tensor, rot: torch.Tensor, cache: "_KVRing") -> torch.Tensor:
         """``x: [B, h, w, C]`` (one frame); updates ``cache`` in place and returns ``[B, h, w, C]``."""
         B, h, w, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self._qkv(x, rot)
         keys, values = cache.push(k, v)  # [B, n, h, w, heads, D], n = frames in the window
         n = keys.shape[1]
         ks = self.kernel_size[1]
@@ -233,11 +236,11 @@ class VideoNABlock(nn.Module):
         y = self.mlp(self.norm2(x))
         return x + self.drop_path(self.gamma2 * y if self.layer_scale else y)
 
-    def forward(self, x, cos, sin):
-        return self._residuals(x, self.attn(self.norm1(x), cos, sin))
+    def forward(self, x, rot):
+        return self._residuals(x, self.attn(self.norm1(x), rot))
 
-    def step(self, x, cos, sin, cache: _KVRing):
-        return self._residuals(x, self.attn.step(self.norm1(x), cos, sin, cache))
+    def step(self, x, rot, cache: _KVRing):
+        return self._residuals(x, self.attn.step(self.norm1(x), rot, cache))
 
 
 class FrameStem(nn.Module):
@@ -277,7 +280,7 @@ class FrameDecoder(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, h, w, D] -> [N, C, h*p, w*p]``."""
         y = self.proj(self.norm(x)).permute(0, 3, 1, 2)
-        return F.pixel_shuffle(y, self.patch_size)
+        return F.pixel_shuffle(y, self.patch_size).contiguous()
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -424,12 +427,12 @@ class VideoNAT(nn.Module):
         B, T = clip.shape[:2]
         x = self._embed_frames(clip.flatten(0, 1))
         x = x.unflatten(0, (B, T))
-        cos, sin = self.rope.tables(torch.arange(T, device=x.device), x.shape[2], x.shape[3], x.dtype)
+        rot = self.rope.tables(torch.arange(T, device=x.device), x.shape[2], x.shape[3], x.dtype)
         for blk in self.blocks:
             if self.grad_checkpointing and self.training and not torch.jit.is_scripting():
-                x = torch.utils.checkpoint.checkpoint(blk, x, cos, sin, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(blk, x, rot, use_reentrant=False)
             else:
-                x = blk(x, cos, sin)
+                x = blk(x, rot)
         return self.norm(x)
 
     def _decode(self, feats: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
@@ -476,10 +479,9 @@ class VideoNAT(nn.Module):
             raise ValueError(f"frame: expected [B, C, H, W], got {tuple(frame.shape)}")
         x = self._embed_frames(frame)
         t = torch.tensor([state.t], device=x.device)
-        cos, sin = self.rope.tables(t, x.shape[1], x.shape[2], x.dtype)
-        cos, sin = cos[0], sin[0]
+        rot = self.rope.tables(t, x.shape[1], x.shape[2], x.dtype)[0]
         for blk, cache in zip(self.blocks, state.caches):
-            x = blk.step(x, cos, sin, cache)
+            x = blk.step(x, rot, cache)
         feats = self.norm(x)
         out = {"features": feats, "next_frame": self._decode(feats, frame)}
         pooled = feats.mean(dim=(1, 2))
@@ -508,7 +510,7 @@ class VideoNAT(nn.Module):
                 pred = self.step(pred, state)["next_frame"]
         if not frames:
             return context.new_empty(context.shape[0], 0, *context.shape[2:])
-        return torch.stack(frames, dim=1)
+        return torch.stack(frames, dim=1).contiguous()
 
 
 # --------------------------------------------------------------------------------------------- registry
