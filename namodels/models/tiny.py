@@ -108,7 +108,7 @@ class TinyNAT(nn.Module):
             raise ValueError(f"global_pool: expected 'avg' or '', got {global_pool!r}")
         self.num_classes, self.global_pool, self.grad_checkpointing = num_classes, global_pool, False
         self.patch_embed = _Stem(in_chans, embed_dim)
-        rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        rates = torch.linspace(0, drop_path_rate, sum(depths), device="cpu").tolist()  # also under a meta device
         widths = [embed_dim * 2 ** i for i in range(len(depths))]
         self.levels = nn.Sequential()
         self.feature_info = []

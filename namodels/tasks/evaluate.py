@@ -73,6 +73,8 @@ def accuracy(cfg: DictConfig) -> dict:
 
     from .classification import ClassificationModule
 
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
     model_cfg = _plain(cfg.model)
     data_cfg = _plain(cfg.data)
     weights = check_choice("weights", cfg.get("weights", "auto"), ("auto", "raw", "ema"))

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -53,6 +54,18 @@ def resolve_ckpt_path(ckpt_path, callbacks) -> str | None:
     return path
 
 
+def route_lightning_logs() -> None:
+    """Under Hydra (root logger configured) Lightning's own console handler would print every line twice."""
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        logger.handlers = [h for h in logger.handlers if isinstance(h, logging.FileHandler)
+                           or not isinstance(h, logging.StreamHandler)]
+        logger.propagate = True
+    warnings.filterwarnings("ignore", message=".*define a `flops_per_batch` attribute.*")
+
+
 def _number(value):
     return float(value.item()) if isinstance(value, torch.Tensor) else value
 
@@ -62,7 +75,10 @@ def fit(cfg: DictConfig) -> dict:
     import namodels  # noqa: F401  registers the project's timm models
 
     check_stage(cfg, "fit", "train.py")
+    route_lightning_logs()
     started = time.time()
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.task.datamodule)
     module = instantiate(cfg.task.module)

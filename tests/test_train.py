@@ -1,0 +1,286 @@
+"""train.py / eval.py: config composition of every experiment, a fast dev run per task, mixup + EMA +
+checkpoints + export + eval round trip, exact resumption after a kill, DDP on CPU, clear errors."""
+import csv
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import timm
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import get_method
+from omegaconf import OmegaConf
+
+import namodels  # noqa: F401
+from namodels.tasks.classification import ClassificationModule
+from namodels.tasks.evaluate import COLUMNS, accuracy
+from namodels.tasks.models import create_model
+from namodels.tasks.runner import check_stage, fit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+# A few small batches of digits, one CPU thread, no progress bar: seconds per epoch.
+FAST = ["threads=1", "logger=csv", "callbacks.progress_bar=null", "callbacks.model_summary=null",
+        "data.batch_size=16", "data.val_batch_size=64", "trainer.limit_train_batches=3",
+        "trainer.limit_val_batches=2", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"]
+# Fit tasks need a small model and data to dev-run; a task added to configs/task/ adds its overrides here.
+DEV_OVERRIDES = {"classification": ["experiment=digits"]}
+
+
+def compose_cfg(name, overrides=()):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def _names(group):
+    return sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(CONFIGS, group, "*.yaml")))
+
+
+def _targets(node):
+    if isinstance(node, dict):
+        if "_target_" in node:
+            yield node["_target_"], node.get("_partial_", False)
+        for value in node.values():
+            yield from _targets(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _targets(value)
+
+
+def _check_targets(plain):
+    for target, _ in _targets(plain):
+        assert callable(get_method(target)), target  # classes and functions (factories, partials)
+
+
+@pytest.mark.parametrize("experiment", _names("experiment"))
+def test_every_experiment_composes(experiment):
+    cfg = compose_cfg("train", [f"experiment={experiment}"])
+    if OmegaConf.is_missing(cfg.model, "pretrained_file"):  # fine-tuning recipes require weights
+        cfg = compose_cfg("train", [f"experiment={experiment}", "model.pretrained_file=/weights/in22k.pth"])
+    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # every key resolves
+    _check_targets(plain)
+    assert plain["task"]["stage"] == "fit"
+    assert plain["task"]["module"]["model"]["name"] == plain["model"]["name"]
+    assert timm.is_model(plain["model"]["name"]), plain["model"]["name"]
+    # the architecture builds (on the meta device: no memory, no init cost)
+    model_cfg = dict(plain["model"], pretrained=False, pretrained_file=None)
+    with torch.device("meta"):
+        model = create_model(model_cfg, plain["data"]["num_classes"])
+    assert sum(p.numel() for p in model.parameters()) > 0
+    if experiment.endswith("_in1k"):  # the published recipe
+        opt, sched = plain["task"]["module"]["optimizer"], plain["task"]["module"]["scheduler"]
+        assert (opt["name"], opt["lr"], opt["lr_base_batch"], opt["weight_decay"]) == ("adamw", 1e-3, 1024, 0.05)
+        assert (sched["warmup_epochs"], sched["warmup_lr"], sched["min_lr"]) == (20, 1e-6, 5e-6)
+        assert plain["trainer"]["max_epochs"] - sched["cooldown_epochs"] == 300
+        assert plain["trainer"]["gradient_clip_val"] == 5.0 and plain["trainer"]["precision"] == "bf16-mixed"
+        mix = plain["task"]["module"]["mixup"]
+        assert (mix["mixup_alpha"], mix["cutmix_alpha"], plain["task"]["module"]["label_smoothing"]) == (0.8, 1.0, 0.1)
+        aug = plain["data"]["augment"]
+        assert (aug["auto_augment"], aug["re_prob"]) == ("rand-m9-mstd0.5-inc1", 0.25)
+
+
+@pytest.mark.parametrize("trainer", _names("trainer"))
+def test_trainer_configs_compose(trainer):
+    plain = OmegaConf.to_container(compose_cfg("train", [f"trainer={trainer}"]), resolve=True)
+    _check_targets(plain)
+
+
+@pytest.mark.parametrize("task", _names("task"))
+def test_task_configs_compose_with_their_script(task):
+    stage = OmegaConf.load(os.path.join(CONFIGS, "task", task + ".yaml")).get("stage")
+    assert stage in ("fit", "eval"), f"configs/task/{task}.yaml needs stage: fit or eval"
+    cfg = compose_cfg("train" if stage == "fit" else "eval", [f"task={task}"])
+    _check_targets(OmegaConf.to_container(cfg, resolve=True))
+    check_stage(cfg, stage, "x")
+    with pytest.raises(ValueError, match="task: task=.* is a .* task"):
+        check_stage(cfg, "eval" if stage == "fit" else "fit", "x")
+
+
+@pytest.mark.parametrize("task", [t for t in _names("task")
+                                  if OmegaConf.load(os.path.join(CONFIGS, "task", t + ".yaml")).get("stage") == "fit"])
+def test_fast_dev_run_per_task(task, tmp_path):
+    if task not in DEV_OVERRIDES:
+        pytest.skip(f"no dev-run overrides for task {task!r} in DEV_OVERRIDES")
+    cfg = compose_cfg("train", DEV_OVERRIDES[task] + FAST + [
+        f"task={task}", f"paths.root_dir={tmp_path}", "trainer.fast_dev_run=true"])
+    summary = fit(cfg)
+    assert summary["global_step"] == 1
+    if task == "classification":
+        assert 0 <= summary["metrics"]["val/top1"] <= 100
+
+
+def _train(tmp_path, *extra):
+    cfg = compose_cfg("train", ["experiment=digits"] + FAST + [f"paths.root_dir={tmp_path}", *extra])
+    return cfg, fit(cfg)
+
+
+@pytest.fixture(scope="module")
+def trained_with_mixup_and_ema(tmp_path_factory):
+    """One small run with mixup/cutmix, EMA (selected on EMA top-1), checkpoints and export."""
+    root = tmp_path_factory.mktemp("mixup_ema")
+    cfg, summary = _train(root, "task.module.mixup.mixup_alpha=0.8", "task.module.mixup.cutmix_alpha=1.0",
+                          "task.module.ema.enabled=true", "task.module.ema.decay=0.5",
+                          "callbacks.model_checkpoint.monitor=val_ema/top1", "trainer.max_epochs=1")
+    return root, cfg, summary
+
+
+def test_mixup_ema_run_checkpoints_and_exports(trained_with_mixup_and_ema):
+    root, cfg, summary = trained_with_mixup_and_ema
+    metrics = summary["metrics"]
+    for key in ("val/top1", "val/top5", "val/loss", "val_ema/top1", "val_ema/top5", "train/loss_epoch"):
+        assert key in metrics, key
+    assert summary["monitor"] == "val_ema/top1" and summary["best_score"] == metrics["val_ema/top1"]
+    # checkpoints hold plain containers only
+    ckpt = torch.load(summary["best_checkpoint"], map_location="cpu", weights_only=True)
+    last = torch.load(summary["last_checkpoint"], map_location="cpu", weights_only=True)
+    assert isinstance(ckpt["hyper_parameters"]["model"], dict) and ckpt["hyper_parameters"]["model"]["name"] == "nat_digits"
+    state = ckpt["state_dict"]
+    raw = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    ema = {k[len("ema.module."):]: v for k, v in state.items() if k.startswith("ema.module.")}
+    assert raw.keys() == ema.keys() and any(not torch.equal(raw[k], ema[k]) for k in raw)
+    assert last["epoch"] == 0 and last["global_step"] == 3
+    # the learning rate was scaled by the global batch: 4e-3 * 16 / 64
+    assert last["optimizer_states"][0]["param_groups"][0]["initial_lr"] == pytest.approx(1e-3)
+    # exported weights load through timm's pretrained path and reproduce the checkpoint's model
+    raw_file, ema_file = summary["exported"]
+    x = torch.randn(3, 3, 32, 32)
+    for file, weights in ((raw_file, raw), (ema_file, ema)):
+        model = timm.create_model("nat_digits", pretrained=True, pretrained_cfg_overlay=dict(file=file)).eval()
+        reference = timm.create_model("nat_digits").eval()
+        reference.load_state_dict(weights)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+    assert os.path.isfile(os.path.join(cfg.paths.output_dir, "summary.json"))
+    assert glob.glob(os.path.join(cfg.paths.output_dir, "csv", "*", "metrics.csv"))
+
+
+def _eval(root, *extra):
+    cfg = compose_cfg("eval", [f"paths.root_dir={root}", "threads=1", "data.val_batch_size=64",
+                               "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", *extra])
+    return cfg, accuracy(cfg)
+
+
+def test_eval_reproduces_training_accuracy(trained_with_mixup_and_ema):
+    root, _, summary = trained_with_mixup_and_ema
+    ckpt, metrics = summary["best_checkpoint"], summary["metrics"]
+    cfg, auto = _eval(root, f"ckpt_path={ckpt}")  # auto: the EMA weights the run selected on
+    assert auto["weights"] == "ema" and auto["top1"] == pytest.approx(metrics["val_ema/top1"], abs=1e-4)
+    assert auto["top5"] == pytest.approx(metrics["val_ema/top5"], abs=1e-4)
+    _, raw = _eval(root, f"ckpt_path={ckpt}", "weights=raw")
+    assert raw["top1"] == pytest.approx(metrics["val/top1"], abs=1e-4)
+    assert raw["top1_err"] == pytest.approx(100 - raw["top1"])
+    _, exported = _eval(root, f"model.pretrained_file={summary['exported'][0]}")
+    assert exported["model"] == "nat_digits" and exported["top1"] == raw["top1"] and exported["weights"] == "pretrained"
+    # timm validate-style files
+    stem = os.path.join(cfg.paths.output_dir, "results")
+    assert json.load(open(stem + ".json"))["top1"] == exported["top1"]
+    rows = list(csv.DictReader(open(stem + ".csv")))
+    assert tuple(rows[0]) == COLUMNS and len(rows) == 3
+    assert rows[0]["img_size"] == "32" and rows[0]["interpolation"] == "bilinear" and float(rows[0]["param_count"]) > 0
+
+
+def test_checkpoint_of_another_model_is_named(trained_with_mixup_and_ema, tmp_path):
+    _, _, summary = trained_with_mixup_and_ema
+    ckpt = summary["best_checkpoint"]
+    with pytest.raises(ValueError, match="holds a 'nat_digits' model, not model.name='nat_mini'"):
+        _eval(tmp_path, f"ckpt_path={ckpt}", "model.name=nat_mini")
+    with pytest.raises(ValueError, match="ckpt_path: the checkpoint was trained with model 'nat_digits'.*'resnet10t'"):
+        _train(tmp_path, "model=timm", "model.name=resnet10t", f"ckpt_path={ckpt}")
+    with pytest.raises(ValueError, match="holds weights of 'nat_digits', not of model.name='resnet10t'"):
+        create_model(dict(name="resnet10t", pretrained_file=summary["exported"][0]), 10)
+    with pytest.raises(ValueError, match="ckpt_path=last: no last.ckpt"):
+        _train(tmp_path, "ckpt_path=last")
+
+
+class KillAt(pl.Callback):
+    """Test-only: SIGKILLs its own process at (epoch, batch), as a crash or preemption would."""
+
+    def __init__(self, epoch: int, batch: int):
+        self.epoch, self.batch = epoch, batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == self.epoch and batch_idx == self.batch:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+# mixup, EMA and drop path: every piece of state and randomness a resumed run must restore
+RESUME = ["trainer.max_epochs=3", "task.module.mixup.mixup_alpha=0.8", "task.module.mixup.cutmix_alpha=1.0",
+          "task.module.ema.enabled=true", "task.module.ema.decay=0.9", "model.drop_path_rate=0.1",
+          "task.module.scheduler.warmup_epochs=1", "export=false"]
+
+
+def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
+    _, straight = _train(tmp_path / "straight", *RESUME)
+
+    killed_root = tmp_path / "killed"
+    cmd = [sys.executable, "train.py", "experiment=digits", *FAST, *RESUME, f"paths.root_dir={killed_root}",
+           "+callbacks.kill._target_=tests.test_train.KillAt", "+callbacks.kill.epoch=2", "+callbacks.kill.batch=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-4000:]
+    last = glob.glob(str(killed_root / "**" / "last.ckpt"), recursive=True)
+    assert len(last) == 1 and torch.load(last[0], weights_only=True)["epoch"] == 1
+
+    _, resumed = _train(killed_root, *RESUME, "ckpt_path=last")
+    assert resumed["global_step"] == straight["global_step"] == 9
+    for key in ("val/top1", "val/loss", "val_ema/top1", "val_ema/loss", "train/loss_epoch"):
+        assert resumed["metrics"][key] == straight["metrics"][key], key
+    a = torch.load(straight["last_checkpoint"], weights_only=True)
+    b = torch.load(resumed["last_checkpoint"], weights_only=True)
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for key in a["state_dict"]:
+        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
+    assert a["optimizer_states"][0]["param_groups"][0]["lr"] == b["optimizer_states"][0]["param_groups"][0]["lr"]
+
+
+def test_ddp_on_cpu_with_two_processes(tmp_path):
+    cmd = [sys.executable, "train.py", "experiment=digits", *FAST, "trainer=ddp_cpu", "trainer.max_epochs=1",
+           f"paths.root_dir={tmp_path}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out_dir = glob.glob(str(tmp_path / "logs" / "classification" / "*"))[0]
+    summary = json.load(open(os.path.join(out_dir, "summary.json")))
+    assert summary["global_step"] == 3 and "val/top1" in summary["metrics"]
+    log_text = proc.stdout + proc.stderr + open(os.path.join(out_dir, "train.log")).read()
+    assert "global batch 32" in log_text  # 16 per process x 2 processes scales the learning rate
+    ckpt = torch.load(summary["last_checkpoint"], weights_only=True)
+    assert ckpt["optimizer_states"][0]["param_groups"][0]["initial_lr"] == pytest.approx(4e-3 * 32 / 64)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("task.module.optimizer.lr=-1", "task.module.optimizer.lr: must be > 0"),
+    ("task.module.label_smoothing=1.0", "task.module.label_smoothing: must be < 1"),
+    ("task.module.mixup.prob=1.5", "task.module.mixup.prob: must be <= 1"),
+    ("task.module.ema.decay=1.0", "task.module.ema.decay: must be < 1"),
+    ("+task.module.optimizer.lrr=1", r"task.module.optimizer: unknown keys \['lrr'\]"),
+    ("model.drop_path_rate=1.5", r"model.drop_path_rate: must be in \[0, 1\)"),
+    ("model.name=nat_minii", "model.name: 'nat_minii' is not a timm model name"),
+    ("data.batch_size=0", "data.batch_size: must be >= 1"),
+    ("task.module.scheduler.warmup_epochs=5", "warmup_epochs: 5 warmup epochs .* leave no decay phase"),
+])
+def test_out_of_range_config_values(tmp_path, override, match):
+    with pytest.raises(ValueError, match=match):
+        _train(tmp_path, override, "trainer.max_epochs=2")
+
+
+def test_module_lr_scaling_and_weight_decay_groups():
+    module = ClassificationModule(model=dict(name="nat_digits"), num_classes=10,
+                                  optimizer=dict(lr=1e-3, lr_base_batch=1024, layer_decay=0.8))
+    from timm.optim import create_optimizer_v2
+
+    opt = create_optimizer_v2(module.model, opt="adamw", lr=1e-3, weight_decay=0.05, layer_decay=0.8)
+    no_decay = {id(p) for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    for name, p in module.model.named_parameters():
+        if name.endswith(".rpb") or p.ndim <= 1:
+            assert id(p) in no_decay, name
+        else:
+            assert id(p) not in no_decay, name
+    assert len({g.get("lr_scale") for g in opt.param_groups}) > 2  # layer decay gives per-depth scales

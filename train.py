@@ -1,0 +1,18 @@
+"""Train a model: ``python train.py [experiment=<name>] [overrides]`` (see configs/train.yaml).
+
+Default: nat_digits on the built-in sklearn digits (CPU, a few minutes).  ImageNet recipes:
+``python train.py experiment=nat_mini_in1k data.root=/path/to/imagenet``.
+"""
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    from namodels.tasks.runner import fit
+
+    fit(cfg)
+
+
+if __name__ == "__main__":
+    main()
