@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""StyleNAT on one GPU (standalone: no Hydra; imports namodels directly).
+
+1. ``train``: a short GAN run with the release's recipe (TTUR, lazy R1 every 16, bCR, D clip 5,
+   G EMA) at 64x64 on the built-in scikit-image crops, through ``GANTask`` and a Lightning Trainer;
+   checks that every loss stays finite and the discriminator does not win outright, and saves a
+   G-EMA sample grid.
+2. ``throughput``: generated images per second of the FFHQ-256 generator (48.92M) in eval mode under
+   each NA backend (bf16 autocast), timed with CUDA events after warm-up (median of the timed runs).
+
+    python benchmarks/stylenat_bench.py --out results/   # on a GPU machine
+    python benchmarks/stylenat_bench.py --tiny           # CPU smoke test of the script itself
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ops  # noqa: E402
+from namodels.models.stylenat import StyleNATGenerator  # noqa: E402
+
+TINY = dict(channels=[32, 32, 16, 16], style_dim=16, n_mlp=2)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def train_run(args, device: str) -> dict:
+    import lightning as L
+
+    from namodels.data.images import GANDataModule
+    from namodels.tasks.gan import GANTask
+    from namodels.tasks.generate import save_grid
+
+    size = 32 if args.tiny else args.train_size
+    g_cfg = dict(size=size, **(TINY if args.tiny else {}))
+    d_cfg = dict(size=size, **({"channels": TINY["channels"]} if args.tiny else {}))
+    batch = args.train_batch
+    task = GANTask(g_cfg, d_cfg, bcr=True, max_kimg=args.train_steps * batch / 1000, sample_every_n_steps=0)
+    dm = GANDataModule(source="skimage", resolution=size, batch_size=batch, num_workers=args.workers,
+                       length=max(args.train_steps * batch, batch), seed=0)
+    history: list[dict] = []
+    started = time.time()
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch_, batch_idx):
+            m = trainer.callback_metrics
+            history.append({k: float(m[k]) for k in ("loss/d", "loss/g", "loss/r1", "loss/bcr", "d/real", "d/fake")
+                            if k in m} | {"t": time.time() - started, "kimg": module.kimg})
+            if len(history) % args.log_every == 0:
+                h = history[-1]
+                log(f"  step {len(history):4d}  kimg {h['kimg']:.3f}  D {h['loss/d']:.3f}  G {h['loss/g']:.3f}  "
+                    f"R1 {h.get('loss/r1', float('nan')):.4f}  D(real) {h['d/real']:+.2f}  D(fake) {h['d/fake']:+.2f}"
+                    f"  {h['t']:.0f}s")
+            if time.time() - started > args.train_seconds:
+                trainer.should_stop = True
+
+    trainer = L.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, precision="32-true",
+                        max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Record()], num_sanity_val_steps=0)
+    with ops.use_backend(args.train_backend):
+        trainer.fit(task, dm)
+    elapsed = time.time() - started
+    steps = len(history)
+    keys = ("loss/d", "loss/g", "loss/r1", "loss/bcr", "d/real", "d/fake")
+    finite = all(math.isfinite(h[k]) for h in history for k in keys if k in h)
+    params_finite = all(torch.isfinite(p).all() for p in task.parameters())
+    window = max(1, min(50, steps // 4))
+
+    def mean(key, part):
+        vals = [h[key] for h in part if key in h]
+        return round(statistics.fmean(vals), 4) if vals else None
+
+    first, last = history[:window], history[-window:]
+    # Steady-state time per step: skip the first steps (Triton compilation, autotuning, cudnn setup).
+    tail = history[steps // 3:]
+    step_ms = 1000 * (tail[-1]["t"] - tail[0]["t"]) / max(1, len(tail) - 1) if len(tail) > 1 else None
+    grid = os.path.join(args.out, "stylenat_train_samples.png")
+    save_grid(task.g_ema.sample(16, seed=0, device=task.device).float().cpu(), grid, nrow=4)
+    d_last = mean("loss/d", last)
+    result = dict(
+        size=size, batch=batch, steps=steps, kimg=round(task.kimg, 3), seconds=round(elapsed, 1),
+        step_ms=round(step_ms, 1) if step_ms else None, finite_losses=finite, finite_params=bool(params_finite),
+        first=dict((k, mean(k, first)) for k in keys), last=dict((k, mean(k, last)) for k in keys),
+        samples=grid, g_params=sum(p.numel() for p in task.generator.parameters()),
+        d_params=sum(p.numel() for p in task.discriminator.parameters()),
+    )
+    # Divergence: NaN/inf anywhere, or the discriminator winning outright (D loss -> 0, G loss exploding).
+    result["diverged"] = not (finite and params_finite and d_last is not None and d_last > 0.05
+                              and mean("loss/g", last) < 20)
+    with open(os.path.join(args.out, "stylenat_train_history.json"), "w") as f:
+        json.dump(history, f)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def time_forward(fn, warmup: int, iters: int, device: str) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def throughput(args, device: str, deadline: float) -> list[dict]:
+    size = 32 if args.tiny else args.tp_size
+    torch.manual_seed(0)
+    g = StyleNATGenerator(size, **(TINY if args.tiny else {})).to(device).eval().requires_grad_(False)
+    n_params = sum(p.numel() for p in g.parameters())
+    rows = []
+    z_sets = [torch.randn(args.tp_batch, g.style_dim, device=device) for _ in range(3)]
+    z_check = torch.randn(2, g.style_dim, device=device)
+    reference = None
+    for spec in args.backends.split(","):
+        name, _, bs = spec.partition(":")
+        batch = int(bs) if bs else args.tp_batch
+        left = deadline - time.time()
+        if left < args.min_seconds_per_backend:
+            rows.append(dict(backend=name, batch=batch, status=f"skipped: {left:.0f}s of the time budget left"))
+            log(f"  {name:6s} skipped (time budget)")
+            continue
+        zs = [z[:batch] if z.shape[0] >= batch else torch.randn(batch, g.style_dim, device=device) for z in z_sets]
+        counter = [0]
+
+        def run():
+            counter[0] += 1
+            with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                return g(zs[counter[0] % len(zs)])
+
+        try:
+            with ops.use_backend(name):
+                t0 = time.time()
+                out = run()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                first_s = time.time() - t0
+                iters = args.tp_iters if name != "naive" else max(2, args.tp_iters // 3)
+                times = time_forward(run, warmup=1, iters=iters, device=device)
+                with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                    check = g(z_check).float()
+        except Exception as err:  # a backend that cannot serve the model is reported, not fatal
+            rows.append(dict(backend=name, batch=batch, status=f"error: {type(err).__name__}: {str(err)[:200]}"))
+            log(f"  {name:6s} error: {err}")
+            continue
+        # Same seeds, same weights: every backend must produce (nearly) the same images.
+        if reference is None:
+            reference = check
+        rel = float((check - reference).norm() / reference.norm())
+        med = statistics.median(times)
+        rows.append(dict(backend=name, batch=batch, status="ok", median_s=round(med, 5),
+                         images_per_s=round(batch / med, 2), first_call_s=round(first_s, 2), iters=len(times),
+                         rel_diff_vs_first=float(f"{rel:.3g}"), finite=bool(torch.isfinite(out).all())))
+        log(f"  {name:6s} batch {batch:3d}: {batch / med:8.2f} img/s  (median {1000 * med:.1f} ms, first call "
+            f"{first_s:.1f} s, rel. diff {rel:.1e})")
+    return [dict(r, size=size, g_params=n_params) for r in rows]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--tiny", action="store_true", help="tiny models on any device (smoke test of this script)")
+    p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--train-size", type=int, default=64)
+    p.add_argument("--train-batch", type=int, default=16)
+    p.add_argument("--train-steps", type=int, default=300)
+    p.add_argument("--train-seconds", type=float, default=90, help="stop training after this long")
+    p.add_argument("--train-backend", default=None, help="NA backend for training (default: automatic)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--tp-size", type=int, default=256)
+    p.add_argument("--tp-batch", type=int, default=16)
+    p.add_argument("--tp-iters", type=int, default=10)
+    p.add_argument("--backends", default="fused,gemm,flex,naive,fused:1",
+                   help="comma list of backend[:batch] rows")
+    p.add_argument("--budget-seconds", type=float, default=150, help="throughput rows after this are skipped")
+    p.add_argument("--min-seconds-per-backend", type=float, default=15)
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    t_start = time.time()
+    env = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
+               triton=_version("triton"), python=sys.version.split()[0])
+    log(f"StyleNAT bench on {env}")
+    report = {"env": env, "args": vars(args)}
+    if not args.skip_train:
+        log("train (GANTask, Lightning, float32/TF32, bCR + lazy R1):")
+        report["train"] = train_run(args, device)
+        log(json.dumps(report["train"], indent=1))
+    if not args.skip_throughput:
+        log("generator throughput (eval, bf16 autocast):")
+        report["throughput"] = throughput(args, device, t_start + args.budget_seconds)
+    report["total_seconds"] = round(time.time() - t_start, 1)
+    with open(os.path.join(args.out, "stylenat_bench.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    if "throughput" in report:
+        log("\n| backend | batch | images/s | median ms | first call s | rel. diff |")
+        log("|---|---|---|---|---|---|")
+        for r in report["throughput"]:
+            if r["status"] == "ok":
+                log(f"| {r['backend']} | {r['batch']} | {r['images_per_s']} | {1000 * r['median_s']:.1f} | "
+                    f"{r['first_call_s']} | {r['rel_diff_vs_first']:.1e} |")
+            else:
+                log(f"| {r['backend']} | {r['batch']} | {r['status']} | | | |")
+    log(f"total {report['total_seconds']} s")
+    return report
+
+
+def _version(name):
+    try:
+        return __import__(name).__version__
+    except Exception:
+        return None
+
+
+if __name__ == "__main__":
+    main()
