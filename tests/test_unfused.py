@@ -15,7 +15,9 @@ if not torch.cuda.is_available():  # Triton kernels must be created in interpret
 
 import ops  # noqa: E402
 from ops.gemm import operators, torch_tiled  # noqa: E402
-from tests.oracle import RandomProblem, _axis_keys, dense_mask_and_bias_index, oracle_attention, random_problem  # noqa: E402,E501
+from tests.oracle import (  # noqa: E402
+    RandomProblem, _axis_keys, dense_mask_and_bias_index, oracle_attention, random_problem,
+)
 
 
 @pytest.fixture(autouse=True)

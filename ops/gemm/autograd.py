@@ -7,7 +7,8 @@ Every backward is again PN / NN / IN (the paper's operator algebra):
 * attention (backend ``gemm``): forward PN (+RPB) -> log-sum-exp -> NN on ``exp(logits - lse)``
   (the softmax normalisation is applied where NN reads the weights, so only the float32 logits are
   kept for backward); backward ``dv = IN(P, dout)``, ``dS = PN(dout, v)`` with the epilogue
-  ``P * (dP - delta)`` (written over the logits where the precisions agree), ``dq = NN(dS, k)``, ``dk = IN(dS, q)``, ``delta = rowsum(dout * out) - dlse``.
+  ``P * (dP - delta)`` (written over the logits where the precisions agree), ``dq = NN(dS, k)``,
+  ``dk = IN(dS, q)``, ``delta = rowsum(dout * out) - dlse``.
 
 Tensors here are flat over space: ``[B, N, heads, dim]``.
 """

@@ -235,7 +235,14 @@ class TorchTiles:
         return math.prod(a.halo.shape[1] for a in self.axes)
 
     def chunk(self, lo: int, hi: int, device, need_rel: bool = False) -> "TileChunk":
-        """Flat N-D index tables of tiles [lo, hi) (row-major over the per-axis tiles), cached."""
+        """Flat N-D index tables of tiles [lo, hi) (row-major over the per-axis tiles).
+
+        Small tables are cached (they are rebuilt for every call otherwise); large ones are not, so
+        the cache stays bounded (``CHUNK_CACHE_ENTRIES`` x ``CHUNK_CACHE_BYTES``).
+        """
+        table_bytes = (hi - lo) * self.tile_queries * math.prod(self.kernel_size) * 17  # local, rel, valid
+        if table_bytes > CHUNK_CACHE_BYTES:
+            return self.build_chunk(lo, hi, device, need_rel)
         return _chunk_tables(self, lo, hi, torch.device(device), need_rel)
 
     def build_chunk(self, lo: int, hi: int, device, need_rel: bool = False) -> "TileChunk":
@@ -280,7 +287,11 @@ class TorchTiles:
         )
 
 
-@functools.lru_cache(maxsize=256)
+CHUNK_CACHE_ENTRIES = 64
+CHUNK_CACHE_BYTES = 4 * 1024 * 1024
+
+
+@functools.lru_cache(maxsize=CHUNK_CACHE_ENTRIES)
 def _chunk_tables(tiles: "TorchTiles", lo: int, hi: int, device: torch.device, need_rel: bool) -> "TileChunk":
     return tiles.build_chunk(lo, hi, device, need_rel)
 
