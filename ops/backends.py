@@ -58,14 +58,28 @@ def available_backends() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+# name -> loaded backend object.  Besides saving the import per call, the cache lets
+# torch.compile(fullgraph=True) trace NA calls once a backend was loaded (dynamo cannot trace
+# importlib.import_module, but it can trace this dict lookup).
+_LOADED: dict[str, object] = {}
+
+
 def register_backend(name: str, module_path: str) -> None:
     """Adds a backend (a module exposing ``BACKEND``) to the registry."""
     _REGISTRY[name] = module_path
+    _LOADED.pop(name, None)
 
 
 def load_backend(name: str):
     if name not in _REGISTRY:
         raise ValueError(f"backend: unknown backend {name!r}; choose one of {sorted(_REGISTRY)} or None")
+    backend = _LOADED.get(name)
+    if backend is None:
+        backend = _LOADED[name] = _import_backend(name)
+    return backend
+
+
+def _import_backend(name: str):
     try:
         module = importlib.import_module(_REGISTRY[name])
     except ImportError as err:  # e.g. triton missing: the backend is unavailable, not broken

@@ -191,6 +191,8 @@ def test_torch_compile_fullgraph_forward_backward():
         return ops.na2d(q, k, v, 3, dilation=(2, 1), rpb=rpb, backend="fused").square().sum()
 
     inputs = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+    # The backend must have been loaded once (eagerly) before tracing: dynamo cannot trace the import.
+    ops.backends.load_backend("fused")
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     loss = compiled(*inputs)
     loss.backward()
@@ -228,7 +230,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="n
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(2))
 def test_gpu_random_problems(dtype, seed):
     rng = random.Random(1000 + seed)
     for rank in (1, 2, 3):
@@ -239,7 +241,7 @@ def test_gpu_random_problems(dtype, seed):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("dim", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("dim", [16, 64, 128, 256])
 def test_gpu_head_dims(dim):
     _run(_fixed((14, 18), (7, 5), d=(2, 1), rpb=True, heads=4, heads_kv=2, dim=dim, dim_v=dim), torch.bfloat16,
          grads=True)

@@ -47,7 +47,7 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
 # Candidates the tuner times (besides the default).
 CANDIDATES: dict[str, list[Config]] = {
     "fwd": [Config(128, 64, 4, 3), Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3),
-            Config(128, 32, 4, 3), Config(64, 32, 4, 2)],
+            Config(128, 32, 4, 3), Config(64, 32, 4, 2), Config(32, 32, 4, 2)],
     "dq": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
            Config(128, 32, 8, 2)],
     "dkdv": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
