@@ -72,6 +72,11 @@ def _check_pair(rank: int, first, second, names):
         )
 
 
+@torch.compiler.disable  # Python-level tiling: torch.compile runs it eagerly (a graph break)
+def _apply(function, *args):
+    return function.apply(*args)
+
+
 def _flat(t: torch.Tensor, rank: int) -> torch.Tensor:
     """[B, *spatial, H, X] -> contiguous [B, N, H, X]."""
     return t.reshape(t.shape[0], math.prod(t.shape[1: rank + 1]), t.shape[-2], t.shape[-1]).contiguous()
@@ -101,7 +106,7 @@ def na_qk(rank: int, query, key, kernel_size, stride=1, dilation=1, is_causal=Fa
             raise ValueError(f"rpb: is on {rpb.device}, query on {query.device}")
         if not rpb.is_floating_point():
             raise ValueError(f"rpb: expected a floating-point tensor, got {rpb.dtype}")
-    logits = QK.apply(_flat(query, rank), _flat(key, rank), rpb, params)
+    logits = _apply(QK, _flat(query, rank), _flat(key, rank), rpb, params)
     return logits.reshape(*query.shape[:-1], params.window_size)
 
 
@@ -117,7 +122,7 @@ def na_av(rank: int, attn, value, kernel_size, stride=1, dilation=1, is_causal=F
             f"attn: last dim must be prod(kernel_size) = {params.window_size} (one weight per window slot), "
             f"got {attn.shape[-1]}"
         )
-    out = AV.apply(_flat(attn, rank), _flat(value, rank), params)
+    out = _apply(AV, _flat(attn, rank), _flat(value, rank), params)
     return out.reshape(*attn.shape[:-1], value.shape[-1])
 
 

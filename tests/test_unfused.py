@@ -309,3 +309,16 @@ def test_example_script_writes_png(tmp_path, monkeypatch):
                                       "--kernel-size", "7", "--out", str(out)])
     runpy.run_path(str(script), run_name="__main__")
     assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_torch_compile_runs_gemm_and_unfused_eagerly():
+    """torch.compile (not fullgraph) falls back to eager around the gemm backend and na_qk/na_av."""
+    torch.manual_seed(0)
+    m = ops.NeighborhoodAttention2D(16, 2, 5, dilation=2, rel_pos_bias=True, backend="gemm")
+    x = torch.randn(2, 12, 11, 16)
+    y = torch.compile(m, backend="eager")(x)
+    y.sum().backward()
+    assert torch.allclose(y, m(x), atol=1e-6) and m.rpb.grad is not None
+    m.attn_drop.p = 0.3
+    m.train()
+    assert torch.compile(m, backend="eager")(x).shape == x.shape

@@ -50,6 +50,8 @@ def weight_bytes(problem) -> int:
 class GemmBackend:
     name = "gemm"
 
+    # Python-level tiling and cached tables: torch.compile runs these eagerly (a graph break).
+    @torch.compiler.disable
     def unsupported(self, problem) -> str | None:
         weights = weight_bytes(problem)
         free = _free_bytes(torch.device(problem.device))
@@ -58,6 +60,7 @@ class GemmBackend:
                     f"{free / 2**30:.1f} GiB free on {problem.device}")
         return None
 
+    @torch.compiler.disable
     def attention(self, q, k, v, params: NAParams, rpb, scale):
         b, hq = q.shape[0], q.shape[-2]
         n = params.num_tokens
