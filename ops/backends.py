@@ -4,6 +4,8 @@ A backend is a module-level object with
 
 * ``name``: its registry name;
 * ``unsupported(problem) -> str | None``: why it cannot serve a problem (``None`` = it can);
+* optionally ``debug_only(problem) -> bool``: it can serve the problem but only for debugging
+  (e.g. Triton's interpreter on CPU), so automatic selection passes it over;
 * ``attention(q, k, v, params, rpb, scale) -> (out, lse)``: neighborhood attention on
   validated heads-last inputs, ``out [B, *spatial, H, Dv]`` in the input dtype, ``lse
   [B, *spatial, H]`` in float32 (float64 for float64 inputs), both differentiable.
@@ -133,6 +135,8 @@ def select_backend(problem: Problem, requested: str | None):
     for candidate in PREFERENCE:
         backend = load_backend(candidate)
         reason = backend.unsupported(problem)
+        if reason is None and getattr(backend, "debug_only", lambda p: False)(problem):
+            reason = "debug-only on these inputs (e.g. Triton interpreter on CPU); request it explicitly"
         if reason is None:
             if rejected:
                 log.debug("NA backend %r chosen; rejected: %s", candidate, "; ".join(rejected))

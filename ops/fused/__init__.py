@@ -49,6 +49,10 @@ class FusedBackend:
             return f"head dim {max(problem.head_dim, problem.value_dim)} > {MAX_HEAD_DIM} (register budget)"
         return None
 
+    def debug_only(self, problem) -> bool:
+        """CPU tensors run through Triton's interpreter: correct but slow, so never chosen automatically."""
+        return problem.device.type != "cuda"
+
     def attention(self, q, k, v, params: NAParams, rpb, scale):
         return op.attention(q, k, v, params, rpb, scale)
 
