@@ -1,6 +1,5 @@
 """Argument checking, backend selection, modules and the additional-keys merge."""
 import logging
-import os
 import random
 
 import pytest
