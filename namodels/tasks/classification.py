@@ -234,6 +234,8 @@ class ClassificationModule(pl.LightningModule):
         if max_epochs is None or max_epochs < 1:
             raise ValueError(f"trainer.max_epochs: the epoch-based schedule needs max_epochs >= 1, got {max_epochs}")
         epochs = max_epochs - sched["cooldown_epochs"]
+        if self.trainer.fast_dev_run:  # a smoke test of one batch: any schedule will do
+            epochs = max(epochs, int(sched["warmup_epochs"]) + 1)
         if epochs < 1 or sched["warmup_epochs"] >= epochs:
             raise ValueError(
                 f"task.module.scheduler.warmup_epochs: {sched['warmup_epochs']} warmup epochs (and "

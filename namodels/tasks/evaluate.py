@@ -13,10 +13,10 @@ import logging
 import os
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from ..utils.checks import check_choice
+from .runner import build, instantiate_group
 from .models import check_model_name, file_metadata, load_weights, META_MODEL
 
 log = logging.getLogger(__name__)
@@ -100,9 +100,9 @@ def accuracy(cfg: DictConfig) -> dict:
     module = ClassificationModule(model=model_cfg, num_classes=num_classes)
     if state is not None:
         load_weights(module.model, state, model_name=model_cfg["name"], source=f"ckpt_path {ckpt_path}")
-    datamodule = instantiate(cfg.task.datamodule)
+    datamodule = build(cfg.task.datamodule)
     datamodule.use_model_defaults(module.data_config)
-    trainer = instantiate(cfg.trainer, logger=False, callbacks=instantiate_callbacks(cfg))
+    trainer = build(cfg.trainer, logger=False, callbacks=instantiate_group(cfg.get("callbacks")))
     metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     settings = datamodule.eval_settings()
     top1, top5 = float(metrics["val/top1"]), float(metrics["val/top5"])
@@ -117,11 +117,6 @@ def accuracy(cfg: DictConfig) -> dict:
         write_results(result, cfg.get("results_file") or os.path.join(cfg.paths.output_dir, "results"))
         print(json.dumps(result, indent=2), flush=True)
     return result
-
-
-def instantiate_callbacks(cfg: DictConfig) -> list:
-    group = cfg.get("callbacks") or {}
-    return [instantiate(c) for c in group.values() if c is not None and "_target_" in c]
 
 
 def write_results(result: dict, stem: str) -> None:

@@ -14,11 +14,23 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
+
+
+def build(node, **kwargs):
+    """``hydra.utils.instantiate`` that lets a config error (ValueError) through as itself, not wrapped."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError):
+            raise cause from None
+        raise
 
 
 def check_stage(cfg: DictConfig, stage: str, script: str) -> None:
@@ -33,7 +45,7 @@ def instantiate_group(group: DictConfig | None) -> list:
     """Instantiates every entry of a dict-of-configs group (callbacks, logger); ``null`` entries are off."""
     if not group:
         return []
-    return [instantiate(c) for c in group.values() if c is not None and "_target_" in c]
+    return [build(c) for c in group.values() if c is not None and "_target_" in c]
 
 
 def resolve_ckpt_path(ckpt_path, callbacks) -> str | None:
@@ -80,13 +92,13 @@ def fit(cfg: DictConfig) -> dict:
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.task.datamodule)
-    module = instantiate(cfg.task.module)
+    datamodule = build(cfg.task.datamodule)
+    module = build(cfg.task.module)
     if hasattr(datamodule, "use_model_defaults") and hasattr(module, "data_config"):
         datamodule.use_model_defaults(module.data_config)
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer: pl.Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), callbacks)
     if trainer.is_global_zero:
         log.info("output: %s", cfg.paths.output_dir)
@@ -98,10 +110,13 @@ def fit(cfg: DictConfig) -> dict:
         metrics={k: _number(v) for k, v in sorted(trainer.callback_metrics.items())},
         skipped_images=getattr(module, "skipped_images", 0),
     )
-    ckpt_cb = trainer.checkpoint_callback
-    if ckpt_cb is not None:
-        summary.update(best_checkpoint=ckpt_cb.best_model_path or None, monitor=ckpt_cb.monitor,
-                       best_score=_number(ckpt_cb.best_model_score), last_checkpoint=ckpt_cb.last_model_path or None)
+    best_cb = next((cb for cb in trainer.checkpoint_callbacks if cb.monitor), None)
+    last_cb = next((cb for cb in trainer.checkpoint_callbacks if not cb.monitor), None)
+    if best_cb is not None:
+        summary.update(best_checkpoint=best_cb.best_model_path or None, monitor=best_cb.monitor,
+                       best_score=_number(best_cb.best_model_score))
+    if last_cb is not None:
+        summary.update(last_checkpoint=last_cb.best_model_path or last_cb.last_model_path or None)
     if trainer.is_global_zero:
         best = summary.get("best_checkpoint") or summary.get("last_checkpoint")
         if cfg.get("export") and best and hasattr(module, "export_weights"):
