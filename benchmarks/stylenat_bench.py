@@ -109,25 +109,6 @@ def train_run(args, device: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def time_forward(fn, warmup: int, iters: int, device: str) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return times
-
-
 def throughput_row(args, device: str, name: str, batch: int) -> dict:
     """One backend row, in this process: build the generator, warm up, time, check the output."""
     size = 32 if args.tiny else args.tp_size
@@ -135,27 +116,23 @@ def throughput_row(args, device: str, name: str, batch: int) -> dict:
     g = StyleNATGenerator(size, **(TINY if args.tiny else {})).to(device).eval().requires_grad_(False)
     # The check latents do not depend on the row's batch size (same images compared across rows).
     z_check = torch.randn(2, g.style_dim, generator=torch.Generator().manual_seed(1)).to(device)
-    zs = [torch.randn(batch, g.style_dim, device=device) for _ in range(3)]
-    counter = [0]
-
-    def run(z=None):
-        counter[0] += 1
-        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            return g(zs[counter[0] % len(zs)] if z is None else z)
+    from namodels.tasks.generate import images_per_second
 
     with ops.use_backend(name):
         t0 = time.time()
-        out = run()
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            out = g(torch.randn(batch, g.style_dim, device=device))
         if device == "cuda":
             torch.cuda.synchronize()
         first_s = time.time() - t0
         iters = args.tp_iters if name != "naive" else max(2, args.tp_iters // 3)
-        times = time_forward(run, warmup=1, iters=iters, device=device)
-        check = run(z_check).float().cpu()
-    med = statistics.median(times)
+        timing = images_per_second(g, batch, iters=iters, warmup=1, backend=name)
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            check = g(z_check).float().cpu()
+    med = timing["median_s"]
     torch.save(check, os.path.join(args.out, f"check_{name}_{batch}.pt"))
     return dict(backend=name, batch=batch, status="ok", median_s=round(med, 5), images_per_s=round(batch / med, 2),
-                first_call_s=round(first_s, 2), iters=len(times), finite=bool(torch.isfinite(out).all()),
+                first_call_s=round(first_s, 2), iters=iters, finite=bool(torch.isfinite(out).all()),
                 size=size, g_params=sum(p.numel() for p in g.parameters()))
 
 

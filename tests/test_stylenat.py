@@ -41,7 +41,7 @@ from namodels.tasks.gan import (
     load_generator,
     r1_penalty,
 )
-from namodels.tasks.generate import generate_images
+from namodels.tasks.generate import generate_images, images_per_second
 from tests.oracle import oracle_attention
 
 TINY_G = dict(size=32, channels=[32, 32, 16, 16], style_dim=16, n_mlp=2)
@@ -406,6 +406,8 @@ def test_generate_writes_grid_and_seeded_images(tmp_path):
     assert torch.equal(a, b) and a.float().std() > 0
     with pytest.raises(ValueError, match="truncation"):
         generate_images(g, str(tmp_path / "c"), truncation=3.0)
+    tp = images_per_second(g, batch_size=2, iters=1, warmup=0, backend="naive")
+    assert tp["backend"] == "naive" and tp["images_per_s"] > 0 and tp["median_s"] > 0
 
 
 class StandIn(nn.Module):

@@ -113,3 +113,44 @@ def run(cfg) -> dict:
                "seeds": result["seeds"], "truncation": float(t.truncation), "out_dir": str(t.out_dir)}
     print(json.dumps(summary, indent=2), flush=True)
     return summary
+
+
+@torch.no_grad()
+def images_per_second(generator, batch_size: int = 16, iters: int = 10, warmup: int = 2, backend: str | None = None,
+                      dtype: torch.dtype | None = torch.bfloat16) -> dict:
+    """Generator throughput (eval mode, autocast to ``dtype`` on CUDA) under one NA backend: median
+    time of ``iters`` timed forwards after ``warmup`` (CUDA events on GPUs).  For throughput tables
+    (``eval.py`` throughput task, ``benchmarks/stylenat_bench.py``)."""
+    import statistics
+    import time
+
+    import ops
+
+    device = next(generator.parameters()).device
+    cuda = device.type == "cuda"
+    generator.eval()
+    zs = [torch.randn(batch_size, generator.style_dim, device=device) for _ in range(3)]
+
+    def forward(i):
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=cuda and dtype is not None):
+            return generator(zs[i % len(zs)])
+
+    times = []
+    with ops.use_backend(backend):
+        for i in range(warmup):
+            forward(i)
+        for i in range(iters):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                forward(i)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            else:
+                t = time.perf_counter()
+                forward(i)
+                times.append(time.perf_counter() - t)
+    median = statistics.median(times)
+    return {"backend": backend or "auto", "batch": batch_size, "median_s": median, "images_per_s": batch_size / median,
+            "iters": iters}
