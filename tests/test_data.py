@@ -190,6 +190,7 @@ def test_synthetic_tensors_are_reproducible():
     x, y = train[2]
     assert x.shape == (3, 20, 20) and 0 <= y < 7
     assert torch.equal(train[2][0], x) and not torch.equal(train[3][0], x)
+    assert torch.equal(build_splits(data_cfg("synthetic", num_classes=7, img_size=20, train_samples=5))[0][2][0], x)
 
 
 def test_epoch_sampler_depends_on_seed_and_epoch_only():

@@ -70,12 +70,13 @@ def route_lightning_logs() -> None:
     """Under Hydra (root logger configured) Lightning's own console handler would print every line twice."""
     if not logging.getLogger().handlers:
         return
-    for name in ("lightning.pytorch", "lightning.fabric"):
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         logger.handlers = [h for h in logger.handlers if isinstance(h, logging.FileHandler)
                            or not isinstance(h, logging.StreamHandler)]
         logger.propagate = True
     warnings.filterwarnings("ignore", message=".*define a `flops_per_batch` attribute.*")
+    warnings.filterwarnings("ignore", message=".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
 
 
 def _number(value):

@@ -1,0 +1,37 @@
+#!/bin/bash
+# NAT-Mini training throughput on 1 GPU and on 2 GPUs (DDP, bf16, synthetic 224x224 tensors), through
+# train.py exactly as users run it.  Device run (nvidia-h200-x2), carry [".whl"] (from
+# /work/shared/device/wheels.sh: hydra-core, omegaconf, antlr4):
+#   bash benchmarks/train_ddp_scaling.sh [batches per process]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+BATCHES=${1:-100}
+nvidia-smi -L
+python3 -c "import torch, triton, timm, lightning; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__, 'lightning', lightning.__version__)"
+for n in 1 2; do
+  rm -rf /tmp/run$n
+  timeout 280 python3 train.py experiment=nat_mini_synthetic trainer.devices=$n paths.root_dir=/tmp/run$n \
+      trainer.limit_train_batches=$BATCHES > "$OUT/ddp$n.log" 2>&1
+  echo "devices=$n rc=$?"; tail -4 "$OUT/ddp$n.log"
+  cp /tmp/run$n/logs/classification/*/csv/version_0/metrics.csv "$OUT/metrics_$n.csv" 2>/dev/null
+done
+python3 - "$OUT" <<'PY'
+import csv, statistics, sys
+out = sys.argv[1]
+rates = {}
+for n in (1, 2):
+    try:
+        rows = list(csv.DictReader(open(f"{out}/metrics_{n}.csv")))
+    except FileNotFoundError:
+        continue
+    values = [float(r["train/samples_per_sec"]) for r in rows if r.get("train/samples_per_sec")]
+    # each value is measured over the last 20 batches; skip the first windows (Triton compile/autotune)
+    steady = values[len(values) // 2:]
+    rates[n] = statistics.median(steady) if steady else float("nan")
+    print(f"devices={n}: samples/s windows {[round(v) for v in values]} -> median of last half {rates[n]:.0f}")
+if 1 in rates and 2 in rates:
+    print(f"scaling 2 GPUs / 1 GPU = {rates[2] / rates[1]:.3f}")
+PY
