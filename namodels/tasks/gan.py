@@ -16,6 +16,10 @@ generator step and one G-EMA update:
 * progress is counted in images seen (``kimg``), not ``global_step`` (which Lightning advances on
   every optimizer step in manual optimization).
 
+Several devices: the D step leaves G's parameters without gradients, so DDP needs
+``find_unused_parameters`` (``trainer.strategy=ddp_find_unused_parameters_true``, or with
+``trainer=ddp``: ``trainer.strategy.find_unused_parameters=true``); checked with 2 CPU processes.
+
 Checkpoints are Lightning checkpoints (resumable with ``ckpt_path``) that also carry the release's
 layout at no extra size: ``state_dicts: {g, g_ema, d}`` and ``optim_dicts: {g_optim, d_optim}``
 reference the same tensors (``torch.save`` stores shared storages once).
