@@ -160,35 +160,40 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _build(variant, pretrained, depths, num_heads, embed_dim, default_drop_path_rate, every_other, **kwargs):
-    # drop_path_rate=... from the caller (e.g. a training config) replaces the variant's default
-    arch = dict(depths=depths, num_heads=num_heads, embed_dim=embed_dim, mlp_ratio=4, kernel_size=7,
-                drop_path_rate=kwargs.pop("drop_path_rate", default_drop_path_rate),
-                dilations=dilated(depths, every_other))
+def _build(variant: str, pretrained: bool, arch: dict, every_other, **kwargs) -> DiNAT_s:
+    """Published hyper-parameters ``arch`` (+ dilations), overridable by ``kwargs`` (pass ``dilations``
+    together with other ``depths``)."""
+    arch = dict(arch, mlp_ratio=4, kernel_size=7, dilations=dilated(arch["depths"], every_other))
     return _create_dinat_s(variant, pretrained, **dict(arch, **kwargs))
+
+
+_TINY = dict(depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), embed_dim=96, drop_path_rate=0.2)
+_SMALL = dict(depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), embed_dim=96, drop_path_rate=0.3)
+_BASE = dict(depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), embed_dim=128, drop_path_rate=0.5)
+_LARGE = dict(depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), embed_dim=192, drop_path_rate=0.35)
+_D224 = (8, 4, 2, 1)
 
 
 @register_model
 def dinat_s_tiny(pretrained=False, **kwargs) -> DiNAT_s:
-    return _build("dinat_s_tiny", pretrained, (2, 2, 6, 2), (3, 6, 12, 24), 96, 0.2, (8, 4, 2, 1), **kwargs)
+    return _build("dinat_s_tiny", pretrained, _TINY, _D224, **kwargs)
 
 
 @register_model
 def dinat_s_small(pretrained=False, **kwargs) -> DiNAT_s:
-    return _build("dinat_s_small", pretrained, (2, 2, 18, 2), (3, 6, 12, 24), 96, 0.3, (8, 4, 2, 1), **kwargs)
+    return _build("dinat_s_small", pretrained, _SMALL, _D224, **kwargs)
 
 
 @register_model
 def dinat_s_base(pretrained=False, **kwargs) -> DiNAT_s:
-    return _build("dinat_s_base", pretrained, (2, 2, 18, 2), (4, 8, 16, 32), 128, 0.5, (8, 4, 2, 1), **kwargs)
+    return _build("dinat_s_base", pretrained, _BASE, _D224, **kwargs)
 
 
 @register_model
 def dinat_s_large(pretrained=False, **kwargs) -> DiNAT_s:
-    return _build("dinat_s_large", pretrained, (2, 2, 18, 2), (6, 12, 24, 48), 192, 0.35, (8, 4, 2, 1), **kwargs)
+    return _build("dinat_s_large", pretrained, _LARGE, _D224, **kwargs)
 
 
 @register_model
 def dinat_s_large_384(pretrained=False, **kwargs) -> DiNAT_s:
-    return _build("dinat_s_large_384", pretrained, (2, 2, 18, 2), (6, 12, 24, 48), 192, 0.35, (13, 6, 3, 1),
-                  **kwargs)
+    return _build("dinat_s_large_384", pretrained, _LARGE, (13, 6, 3, 1), **kwargs)

@@ -281,68 +281,68 @@ _SMALL = dict(depths=(3, 4, 18, 5), num_heads=(3, 6, 12, 24), embed_dim=96, mlp_
 _BASE = dict(depths=(3, 4, 18, 5), num_heads=(4, 8, 16, 32), embed_dim=128, mlp_ratio=2, drop_path_rate=0.5,
              layer_scale=1e-5)
 _LARGE = dict(depths=(3, 4, 18, 5), num_heads=(6, 12, 24, 48), embed_dim=192, mlp_ratio=2, drop_path_rate=0.35)
-_D224 = (8, 4, 2, 1)  # resolution // 7 per stage at 224
+_D224 = (8, 4, 2, 1)  # every-other-block dilation per stage at 224 with 7x7: resolution // 7
 
 
-def _build(variant, pretrained, arch, **kwargs):
+def _build(variant: str, pretrained: bool, arch: dict, kernel_size: int = 7, every_other=None, **kwargs) -> NAT:
+    """Published hyper-parameters ``arch`` (+ DiNAT dilations), overridable by ``kwargs``."""
+    arch = dict(arch, kernel_size=kernel_size)
+    if every_other is not None:
+        arch["dilations"] = dilated(arch["depths"], every_other)
     return _create_nat(variant, pretrained, **dict(arch, **kwargs))
 
 
 @register_model
 def nat_mini(pretrained=False, **kwargs) -> NAT:
-    return _build("nat_mini", pretrained, _MINI, kernel_size=7, **kwargs)
+    return _build("nat_mini", pretrained, _MINI, **kwargs)
 
 
 @register_model
 def nat_tiny(pretrained=False, **kwargs) -> NAT:
-    return _build("nat_tiny", pretrained, _TINY, kernel_size=7, **kwargs)
+    return _build("nat_tiny", pretrained, _TINY, **kwargs)
 
 
 @register_model
 def nat_small(pretrained=False, **kwargs) -> NAT:
-    return _build("nat_small", pretrained, dict(_SMALL, layer_scale=1e-5), kernel_size=7, **kwargs)
+    return _build("nat_small", pretrained, dict(_SMALL, layer_scale=1e-5), **kwargs)
 
 
 @register_model
 def nat_base(pretrained=False, **kwargs) -> NAT:
-    return _build("nat_base", pretrained, _BASE, kernel_size=7, **kwargs)
+    return _build("nat_base", pretrained, _BASE, **kwargs)
 
 
 @register_model
 def dinat_mini(pretrained=False, **kwargs) -> NAT:
-    return _build("dinat_mini", pretrained, _MINI, kernel_size=7, dilations=dilated(_MINI["depths"], _D224), **kwargs)
+    return _build("dinat_mini", pretrained, _MINI, every_other=_D224, **kwargs)
 
 
 @register_model
 def dinat_tiny(pretrained=False, **kwargs) -> NAT:
-    return _build("dinat_tiny", pretrained, _TINY, kernel_size=7, dilations=dilated(_TINY["depths"], _D224), **kwargs)
+    return _build("dinat_tiny", pretrained, _TINY, every_other=_D224, **kwargs)
 
 
 @register_model
 def dinat_small(pretrained=False, **kwargs) -> NAT:
     # unlike nat_small, the official dinat_small has no layer scale
-    return _build("dinat_small", pretrained, _SMALL, kernel_size=7, dilations=dilated(_SMALL["depths"], _D224),
-                  **kwargs)
+    return _build("dinat_small", pretrained, _SMALL, every_other=_D224, **kwargs)
 
 
 @register_model
 def dinat_base(pretrained=False, **kwargs) -> NAT:
-    return _build("dinat_base", pretrained, _BASE, kernel_size=7, dilations=dilated(_BASE["depths"], _D224), **kwargs)
+    return _build("dinat_base", pretrained, _BASE, every_other=_D224, **kwargs)
 
 
 @register_model
 def dinat_large(pretrained=False, **kwargs) -> NAT:
-    return _build("dinat_large", pretrained, _LARGE, kernel_size=7, dilations=dilated(_LARGE["depths"], _D224),
-                  **kwargs)
+    return _build("dinat_large", pretrained, _LARGE, every_other=_D224, **kwargs)
 
 
 @register_model
 def dinat_large_384(pretrained=False, **kwargs) -> NAT:
-    return _build("dinat_large_384", pretrained, _LARGE, kernel_size=7,
-                  dilations=dilated(_LARGE["depths"], (13, 6, 3, 1)), **kwargs)
+    return _build("dinat_large_384", pretrained, _LARGE, every_other=(13, 6, 3, 1), **kwargs)
 
 
 @register_model
 def dinat_large_384_11x11(pretrained=False, **kwargs) -> NAT:
-    return _build("dinat_large_384_11x11", pretrained, _LARGE, kernel_size=11,
-                  dilations=dilated(_LARGE["depths"], (8, 4, 2, 1)), **kwargs)
+    return _build("dinat_large_384_11x11", pretrained, _LARGE, kernel_size=11, every_other=(8, 4, 2, 1), **kwargs)
