@@ -2,7 +2,7 @@
 # NAT-Mini training throughput on 1 GPU and on 2 GPUs (DDP, bf16, synthetic 224x224 tensors), through
 # train.py exactly as users run it.  Device run (nvidia-h200-x2), carry [".whl"] (from
 # /work/shared/device/wheels.sh: hydra-core, omegaconf, antlr4):
-#   bash benchmarks/train_ddp_scaling.sh [batches per process]
+#   [BACKEND=gemm] bash benchmarks/train_ddp_scaling.sh [batches per process]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -14,7 +14,7 @@ python3 -c "import torch, triton, timm, lightning; print('torch', torch.__versio
 for n in 1 2; do
   rm -rf /tmp/run$n
   timeout 280 python3 train.py experiment=nat_mini_synthetic trainer.devices=$n paths.root_dir=/tmp/run$n \
-      trainer.limit_train_batches=$BATCHES > "$OUT/ddp$n.log" 2>&1
+      trainer.limit_train_batches=$BATCHES model.backend=${BACKEND:-null} > "$OUT/ddp$n.log" 2>&1
   echo "devices=$n rc=$?"; tail -4 "$OUT/ddp$n.log"
   cp /tmp/run$n/logs/classification/*/csv/version_0/metrics.csv "$OUT/metrics_$n.csv" 2>/dev/null
 done
@@ -27,7 +27,9 @@ for n in (1, 2):
         rows = list(csv.DictReader(open(f"{out}/metrics_{n}.csv")))
     except FileNotFoundError:
         continue
-    values = [float(r["train/samples_per_sec"]) for r in rows if r.get("train/samples_per_sec")]
+    # all processes: train/samples_per_sec (logged only when world size > 1), else the one device's
+    key = "train/samples_per_sec" if n > 1 else "train/device/samples_per_sec"
+    values = [float(r[key]) for r in rows if r.get(key)]
     # each value is measured over the last 20 batches; skip the first windows (Triton compile/autotune)
     steady = values[len(values) // 2:]
     rates[n] = statistics.median(steady) if steady else float("nan")

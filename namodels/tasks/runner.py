@@ -76,7 +76,7 @@ def route_lightning_logs() -> None:
                            or not isinstance(h, logging.StreamHandler)]
         logger.propagate = True
     warnings.filterwarnings("ignore", message=".*define a `flops_per_batch` attribute.*")
-    warnings.filterwarnings("ignore", message=".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
 
 
 def _number(value):
