@@ -1,0 +1,1 @@
+"""Throughput benchmark."""

@@ -1,0 +1,219 @@
+"""Throughput results: CSV / JSON / Markdown table, a PNG chart, and the issue's target checks.
+
+``python -m namodels.benchmark.report DIR`` rebuilds ``DIR/throughput.{csv,json,md,png}`` from
+``DIR/rows.jsonl`` (what a run appends to, row by row).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+
+# timm benchmark.py's columns first (same names and units: samples/s, ms per step, param_count in
+# millions, GMACs per sample), then ours.
+COLUMNS = (
+    "model", "backend", "precision",
+    "infer_samples_per_sec", "infer_step_time", "infer_batch_size", "infer_img_size", "infer_gmacs",
+    "train_samples_per_sec", "train_step_time", "train_batch_size", "train_img_size",
+    "param_count",
+    "infer_peak_mem_mib", "train_peak_mem_mib", "na_gmacs", "infer_iters", "train_iters",
+    "channels_last", "compile", "device", "status", "infer_error", "train_error",
+)
+
+NO_BACKEND = "-"  # rows of models without neighborhood attention (timm baselines)
+BACKEND_ORDER = ("naive", "gemm", "fused", "flex", "sdpa", NO_BACKEND)
+BACKEND_COLORS = {"naive": "#9e9e9e", "gemm": "#1f77b4", "fused": "#d62728", "flex": "#2ca02c",
+                  "sdpa": "#9467bd", NO_BACKEND: "#ff7f0e"}
+BACKEND_LABELS = {"sdpa": "dense SDPA (same model)", NO_BACKEND: "timm baseline"}
+
+
+def row_key(row: dict) -> tuple:
+    return row["model"], row["backend"], row["precision"]
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of a ``rows.jsonl``; a later row with the same (model, backend, precision) replaces an earlier."""
+    rows: dict[tuple, dict] = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    row = json.loads(line)
+                    rows[row_key(row)] = row
+    return list(rows.values())
+
+
+def append_row(path: str, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fmt(value, digits=1):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _ratio(rows, model, precision, phase, num_backend, den_backend, den_model=None):
+    def get(m, b):
+        for r in rows:
+            if (r["model"], r["backend"], r["precision"]) == (m, b, precision):
+                return r.get(f"{phase}_samples_per_sec")
+        return None
+
+    a, b = get(model, num_backend), get(den_model or model, den_backend)
+    return None if not a or not b else a / b
+
+
+def target_checks(rows: list[dict]) -> list[dict]:
+    """Issue 8's 'Must show' ratios that these rows can answer (bf16): ``value`` None = not measured."""
+    checks = [
+        ("fused inference >= 1.5x naive, NAT-Mini, bf16", _ratio(rows, "nat_mini", "bf16", "infer", "fused", "naive"), 1.5),
+        ("fused inference >= 1.5x naive, DiNAT-Mini, bf16",
+         _ratio(rows, "dinat_mini", "bf16", "infer", "fused", "naive"), 1.5),
+        ("fused training step >= 1.3x naive, NAT-Mini, bf16",
+         _ratio(rows, "nat_mini", "bf16", "train", "fused", "naive"), 1.3),
+        ("NAT-Tiny fused inference >= Swin-T inference, bf16",
+         _ratio(rows, "nat_tiny", "bf16", "infer", "fused", NO_BACKEND, "swin_tiny_patch4_window7_224"), 1.0),
+    ]
+    return [dict(target=t, value=v, threshold=th, met=None if v is None else v >= th) for t, v, th in checks]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| model | backend | precision | infer img/s | infer ms | train img/s | train ms | batch (inf/train) "
+            "| infer mem GiB | train mem GiB | params M | GMACs (NA) | notes |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        notes = "; ".join(x for x in (r.get("infer_error"), r.get("train_error")) if x)
+        mem = lambda v: _fmt(None if v is None else v / 1024, 2)  # noqa: E731
+        lines.append("| " + " | ".join([
+            r["model"], r["backend"], r["precision"],
+            _fmt(r.get("infer_samples_per_sec")), _fmt(r.get("infer_step_time"), 2),
+            _fmt(r.get("train_samples_per_sec")), _fmt(r.get("train_step_time"), 2),
+            f"{_fmt(r.get('infer_batch_size'))}/{_fmt(r.get('train_batch_size'))}",
+            mem(r.get("infer_peak_mem_mib")), mem(r.get("train_peak_mem_mib")),
+            _fmt(r.get("param_count"), 2),
+            f"{_fmt(r.get('infer_gmacs'), 3)} ({_fmt(r.get('na_gmacs'), 3)})",
+            notes.replace("|", "/")[:160],
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def targets_markdown(rows: list[dict]) -> str:
+    lines = ["| target | measured | met |", "|---|---|---|"]
+    for c in target_checks(rows):
+        value = "not measured" if c["value"] is None else f"{c['value']:.2f}x"
+        met = "–" if c["met"] is None else ("yes" if c["met"] else "no")
+        lines.append(f"| {c['target']} | {value} | {met} |")
+    return "\n".join(lines)
+
+
+def write_tables(rows: list[dict], out_dir: str, meta: dict | None = None, stem: str = "throughput") -> dict:
+    """``<stem>.csv`` (COLUMNS), ``<stem>.json`` ({meta, rows, targets}), ``<stem>.md``; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {ext: os.path.join(out_dir, f"{stem}.{ext}") for ext in ("csv", "json", "md")}
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: r.get(k) for k in COLUMNS})
+    with open(paths["json"], "w") as f:
+        json.dump({"meta": meta or {}, "rows": rows, "targets": target_checks(rows)}, f, indent=1)
+    with open(paths["md"], "w") as f:
+        if meta:
+            f.write(" ".join(f"{k}: {v};" for k, v in meta.items() if k != "command") + "\n\n")
+            if meta.get("command"):
+                f.write(f"Command: `{meta['command']}`\n\n")
+        f.write(markdown_table(rows) + "\n\n" + targets_markdown(rows) + "\n")
+    return paths
+
+
+def plot(rows: list[dict], path: str, title: str = "") -> str | None:
+    """Grouped bars: samples/s per model (x), one bar per backend; one panel per (precision, phase).
+    Log scale, since the naive and fused backends differ by an order of magnitude or more."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker.FuncFormatter below)
+
+    measured = [r for r in rows if r.get("infer_samples_per_sec") or r.get("train_samples_per_sec")]
+    if not measured:
+        return None
+    precisions = [p for p in ("bf16", "fp16", "tf32", "fp32") if any(r["precision"] == p for r in measured)]
+    models = list(dict.fromkeys(r["model"] for r in measured))
+    backends = [b for b in BACKEND_ORDER if any(r["backend"] == b for r in measured)]
+    backends += sorted({r["backend"] for r in measured} - set(backends))
+    phases = [p for p in ("infer", "train") if any(r.get(f"{p}_samples_per_sec") for r in measured)]
+    fig, axes = plt.subplots(len(precisions), len(phases), squeeze=False,
+                             figsize=(max(8.0, 0.9 * len(models) * len(phases) + 3), 3.6 * len(precisions)))
+    index = {row_key(r): r for r in measured}
+    for i, precision in enumerate(precisions):
+        for j, phase in enumerate(phases):
+            ax = axes[i][j]
+            # per model, only the backends it has, centred on the model's tick; one bar width everywhere
+            present = {m: [b for b in backends if index.get((m, b, precision), {}).get(f"{phase}_samples_per_sec")]
+                       for m in models}
+            width = 0.8 / max(1, max(len(v) for v in present.values()))
+            for m_i, model in enumerate(models):
+                for b_i, backend in enumerate(present[model]):
+                    value = index[(model, backend, precision)][f"{phase}_samples_per_sec"]
+                    x = m_i + width * (b_i - (len(present[model]) - 1) / 2)
+                    ax.bar(x, value, width * 0.95, color=BACKEND_COLORS.get(backend, "#333333"))
+                    ax.annotate(f"{value:,.0f}" if value >= 10 else f"{value:.2g}", (x, value), xytext=(0, 2),
+                                textcoords="offset points", ha="center", va="bottom", rotation=90, fontsize=6)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.margins(y=0.25)
+            ax.set_xticks(range(len(models)))
+            ax.set_xticklabels(models, rotation=30, ha="right", fontsize=8)
+            ax.set_ylabel("samples / s (log)")
+            ax.set_title(f"{'inference' if phase == 'infer' else 'training step'} — {precision}", fontsize=10)
+            ax.grid(axis="y", which="both", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=BACKEND_COLORS.get(b, "#333333")) for b in backends]
+    fig.legend(handles, [BACKEND_LABELS.get(b, b) for b in backends], loc="upper center", ncol=len(backends),
+               fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title, y=0.005, va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def rebuild(out_dir: str, meta: dict | None = None, chart: bool = True) -> dict:
+    """Tables (and chart) of ``out_dir`` from its ``rows.jsonl``."""
+    rows = read_rows(os.path.join(out_dir, "rows.jsonl"))
+    if meta is None:
+        old = os.path.join(out_dir, "throughput.json")
+        if os.path.isfile(old):
+            with open(old) as f:
+                meta = json.load(f).get("meta")
+    paths = write_tables(rows, out_dir, meta)
+    if chart:
+        title = ", ".join(f"{k} {meta[k]}" for k in ("device", "torch", "date") if meta and meta.get(k))
+        png = plot(rows, os.path.join(out_dir, "throughput.png"), title)
+        if png:
+            paths["png"] = png
+    return paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--no-chart", action="store_true")
+    args = parser.parse_args(argv)
+    for kind, path in rebuild(args.out_dir, chart=not args.no_chart).items():
+        print(f"{kind}: {path}")
+
+
+if __name__ == "__main__":
+    main()
