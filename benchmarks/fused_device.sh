@@ -17,8 +17,8 @@ if [[ $what == tests || $what == all ]]; then
   timeout 240 python3 -m pytest -m gpu tests/test_fused.py -x -q -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 fi
 if [[ $what == fwd || $what == all ]]; then
-  python3 -m ops.bench --out "$OUT/op_bench_fwd" "$@" 2>&1 | tee "$OUT/bench_fwd.txt"
+  timeout ${BENCH_TIMEOUT:-900} python3 -m ops.bench --out "$OUT/op_bench_fwd" "$@" 2>&1 | tee "$OUT/bench_fwd.txt"
 fi
 if [[ $what == bwd || $what == all ]]; then
-  python3 -m ops.bench --backward --out "$OUT/op_bench_bwd" "$@" 2>&1 | tee "$OUT/bench_bwd.txt"
+  timeout ${BENCH_TIMEOUT:-900} python3 -m ops.bench --backward --out "$OUT/op_bench_bwd" "$@" 2>&1 | tee "$OUT/bench_bwd.txt"
 fi

@@ -125,6 +125,12 @@ def test_small_tiles_forward_backward(p):
         _run(p, torch.float32, grads=True, seed=5)
 
 
+def test_int64_index_path(monkeypatch):
+    """The kernels' int64 token-offset variant (used past 2**31 elements per batch element)."""
+    monkeypatch.setattr(launch, "needs_int64", lambda *tensors: True)
+    _run(_fixed((6, 9), (3, 5), d=(2, 1), rpb=True), torch.float32, grads=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype):
     _run(_fixed((8, 10), (5, 3), d=(1, 2), rpb=True, heads=2, heads_kv=1, dim=32, dim_v=32), dtype, grads=True)
@@ -207,6 +213,7 @@ def test_torch_compile_fullgraph_forward_backward():
 def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setenv("NAMODELS_FUSED_CACHE", str(tmp_path / "tune.json"))
     monkeypatch.setattr(autotune, "_cache", None)
+    monkeypatch.setattr(autotune, "_memo", {})
     p = _fixed((20,), 5)
     q, k, v, _ = p.tensors(dtype=torch.float32, device=DEVICE)
     params = NAParams((20,), (5,), (1,), (1,), (False,))

@@ -74,9 +74,15 @@ def _axis_span(first, T, Lg, K, s, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _flat_token(c0, c1, c2, g0, g1, g2, D0, D1, D2, L1, L2):
-    """Flat (row-major) token index, int64, of group coordinates (c0, c1, c2)."""
-    return ((c0.to(tl.int64) * D0 + g0) * L1 + (c1 * D1 + g1)) * L2 + (c2 * D2 + g2)
+def _flat_token(c0, c1, c2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64: tl.constexpr):
+    """Flat (row-major) token index of group coordinates (c0, c1, c2).
+
+    int32 unless ``IDX64``: the host sets it when a token offset (index * token stride) of one
+    batch element can pass 2**31; int64 vectors cost ~30 registers per thread and cause spills.
+    """
+    if IDX64:
+        c0 = c0.to(tl.int64)
+    return ((c0 * D0 + g0) * L1 + (c1 * D1 + g1)) * L2 + (c2 * D2 + g2)
 
 
 @triton.jit
@@ -129,7 +135,7 @@ def na_fwd_kernel(
     ACT0: tl.constexpr, ACT1: tl.constexpr,
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
 ):
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2)
     bh = tl.program_id(1)
@@ -145,7 +151,7 @@ def na_fwd_kernel(
     ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
     ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
     q_ok = ok0 & ok1 & ok2
-    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2)
+    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
     lo0, hi0, in_lo0, in_hi0 = _axis_span(tile0 * T0, T0, Lg0, K0, S0, CAUSAL0)
     lo1, hi1, in_lo1, in_hi1 = _axis_span(tile1 * T1, T1, Lg1, K1, S1, CAUSAL1)
     lo2, hi2, in_lo2, in_hi2 = _axis_span(tile2 * T2, T2, Lg2, K2, S2, CAUSAL2)
@@ -177,7 +183,7 @@ def na_fwd_kernel(
         kj1 = k1 + c1
         kj2 = k2 + c2
         k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
-        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2)
+        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
         k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -216,7 +222,7 @@ def na_bwd_dq_kernel(
     ACT0: tl.constexpr, ACT1: tl.constexpr,
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
 ):
     # dQ and dO share q's strides (sqb, sqt, sqh) and dO's (sdb, sdt, sdh); lse and delta share (slb, slt).
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2)
@@ -233,7 +239,7 @@ def na_bwd_dq_kernel(
     ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
     ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
     q_ok = ok0 & ok1 & ok2
-    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2)
+    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
     lo0, hi0, in_lo0, in_hi0 = _axis_span(tile0 * T0, T0, Lg0, K0, S0, CAUSAL0)
     lo1, hi1, in_lo1, in_hi1 = _axis_span(tile1 * T1, T1, Lg1, K1, S1, CAUSAL1)
     lo2, hi2, in_lo2, in_hi2 = _axis_span(tile2 * T2, T2, Lg2, K2, S2, CAUSAL2)
@@ -268,7 +274,7 @@ def na_bwd_dq_kernel(
         kj1 = k1 + c1
         kj2 = k2 + c2
         k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
-        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2)
+        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
         k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -301,7 +307,7 @@ def na_bwd_dkdv_kernel(
     ACT0: tl.constexpr, ACT1: tl.constexpr,
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
 ):
     # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
     # dK/dV share k/v's strides.  GQA: the query heads of this kv head are summed in the same loop.
@@ -321,7 +327,7 @@ def na_bwd_dkdv_kernel(
     kj1 = k1 + c1
     kj2 = k2 + c2
     k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
-    k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2)
+    k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -359,7 +365,7 @@ def na_bwd_dkdv_kernel(
         ok1, qc1, start1, stop1 = _axis_rows(q1, r1, Lg1, K1, S1, CAUSAL1)
         ok2, qc2, start2, stop2 = _axis_rows(q2, r2, Lg2, K2, S2, CAUSAL2)
         q_ok = ok0 & ok1 & ok2
-        q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2)
+        q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
         q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + q_tok[:, None] * sqt + offs_d[None, :],
                     mask=q_ok[:, None] & d_ok[None, :], other=0.0)
         do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + q_tok[:, None] * sdt + offs_dv[None, :],
@@ -404,7 +410,7 @@ def na_bwd_drpb_kernel(
     L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2,
     CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ATOMIC: tl.constexpr, IDX64: tl.constexpr,
 ):
     """dRPB[h, r] = sum over (b, query i) of dS(i, i + r) for every offset r in i's window.
 
@@ -427,7 +433,7 @@ def na_bwd_drpb_kernel(
     ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
     ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
     q_ok = ok0 & ok1 & ok2
-    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2)
+    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM
@@ -469,7 +475,7 @@ def na_bwd_drpb_kernel(
         kj2 = qc2 + o2
         adm = q_ok & (kj0 >= start0) & (kj0 < stop0) & (kj1 >= start1) & (kj1 < stop1)
         adm = adm & (kj2 >= start2) & (kj2 < stop2)
-        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2)
+        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
         k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=adm[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
         v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=adm[:, None] & dv_ok[None, :],

@@ -56,9 +56,18 @@ def _window_args(params: NAParams, tile):
     return [*L, *K, *S, *D, *nt], programs
 
 
-def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, dv, has_rpb):
+INT32_LIMIT = 2**31 - 1
+
+
+def needs_int64(*tensors) -> bool:
+    """True when a per-batch-element offset (token index * token stride + head + dim) of any of
+    the [B, N, H, D] tensors can pass int32 (batch offsets are always computed in int64)."""
+    return any(t.shape[1] * t.stride(1) + t.shape[2] * t.stride(2) >= INT32_LIMIT for t in tensors)
+
+
+def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, dv, has_rpb, idx64):
     _, _, _, _, C = _axes3(params)
-    return dict(
+    return dict(IDX64=idx64,
         CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
         T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], U0=kv_tile[0], U1=kv_tile[1], U2=kv_tile[2],
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
@@ -91,7 +100,8 @@ def forward(q, k, v, rpb, params: NAParams, scale: float):
 
     def run(launch: autotune.Launch):
         window, programs = _window_args(params, launch.outer_tile)
-        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, table is not None)
+        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, table is not None,
+                           needs_int64(q4, k4, v4, out))
         for lo, hi in _batch_chunks(b, hq):
             kernels.na_fwd_kernel[(programs, (hi - lo) * hq)](
                 q4[lo:hi], k4[lo:hi], v4[lo:hi], table if table is not None else q4, out[lo:hi], lse[lo:hi],
@@ -123,10 +133,11 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     has_rpb = table is not None
     rpb_arg = table if has_rpb else q4
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
+    idx64 = needs_int64(q4, k4, v4, do4, o4)
 
     def run_dq(launch):
         window, programs = _window_args(params, launch.outer_tile)
-        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb)
+        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb, idx64)
         for lo, hi in _batch_chunks(b, hq):
             kernels.na_bwd_dq_kernel[(programs, (hi - lo) * hq)](
                 q4[lo:hi], k4[lo:hi], v4[lo:hi], rpb_arg, do4[lo:hi], lse3[lo:hi], delta[lo:hi], dq[lo:hi],
@@ -136,7 +147,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     def run_dkdv(launch):
         # outer tile = KV tile, inner tile = query tile
         window, programs = _window_args(params, launch.outer_tile)
-        meta = _constexprs(params, launch, launch.inner_tile, launch.outer_tile, d, dv, has_rpb)
+        meta = _constexprs(params, launch, launch.inner_tile, launch.outer_tile, d, dv, has_rpb, idx64)
         for lo, hi in _batch_chunks(b, hkv):
             kernels.na_bwd_dkdv_kernel[(programs, (hi - lo) * hkv)](
                 q4[lo:hi], k4[lo:hi], v4[lo:hi], rpb_arg, do4[lo:hi], lse3[lo:hi], delta[lo:hi], dk[lo:hi],
@@ -147,13 +158,13 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     run_dkdv(autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv))
     drpb = None
     if has_rpb:
-        drpb = _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v)
+        drpb = _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v, idx64)
         drpb = drpb.reshape(rpb.shape).to(rpb.dtype)
     spatial = q.shape[1:-2]
     return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
 
 
-def _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v):
+def _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v, idx64):
     b, hq, hkv = q4.shape[0], q4.shape[2], k4.shape[2]
     d, dv = q4.shape[-1], v4.shape[-1]
     n_rel = table.shape[1]
@@ -171,7 +182,7 @@ def _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, determinis
             *common, hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window,
             CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], T0=tile[0], T1=tile[1], T2=tile[2],
             BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-            ATOMIC=atomic, num_warps=launch.num_warps, num_stages=launch.num_stages,
+            ATOMIC=atomic, IDX64=idx64, num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
     if atomic:
         return out

@@ -1,0 +1,97 @@
+"""Compile the fused kernels for Hopper (sm_90) without a GPU and report registers / spills.
+
+    python benchmarks/fused_compile_check.py [kernel ...]
+
+Uses Triton's ahead-of-time path (ASTSource + GPUTarget) and the ptxas bundled with Triton, so a
+compile failure or a register spill shows up here before any device time is spent.  The local
+Triton may be newer than the device's; a kernel that compiles here can still fail there.
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from ops.fused import kernels  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+POINTERS = {"Q", "Kp", "V", "RPB", "O", "LSE", "DO", "DELTA", "DQ", "DK", "DV", "DRPB"}
+FLOATS = {"qk_scale", "scale"}
+
+
+def signature(fn, constexprs, dtype):
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in POINTERS:
+            fp32 = name in ("RPB", "LSE", "DELTA", "DRPB")
+            sig[name] = "*fp32" if fp32 else f"*{dtype}"
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_one(fn, constexprs, dtype="bf16", num_warps=4, num_stages=2):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in POINTERS}
+    src = triton.compiler.ASTSource(fn, signature(fn, constexprs, dtype), constexprs, attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+        fh.write(ptx)
+    out = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", fh.name, "-o", os.devnull], capture_output=True,
+                         text=True)
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+    wgmma = "wgmma" in ptx
+    return int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None, wgmma
+
+
+def window_constexprs(rank, q_tile, kv_tile, d, dv, rpb=False, causal=(False, False, False)):
+    return dict(CAUSAL0=causal[0], CAUSAL1=causal[1], CAUSAL2=causal[2], ACT0=rank >= 3, ACT1=rank >= 2,
+                T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], U0=kv_tile[0], U1=kv_tile[1], U2=kv_tile[2],
+                BLOCK_D=d, BLOCK_DV=dv, HAS_RPB=rpb, IDX64=False)
+
+
+CASES = {
+    "fwd-1d-d128": (kernels.na_fwd_kernel, window_constexprs(1, (1, 1, 128), (1, 1, 64), 128, 128), 8, 3),
+    "fwd-2d-d32-rpb": (kernels.na_fwd_kernel, window_constexprs(2, (1, 8, 16), (1, 8, 8), 32, 32, True), 4, 3),
+    "fwd-3d-d64-causal": (kernels.na_fwd_kernel,
+                          window_constexprs(3, (2, 8, 8), (2, 4, 8), 64, 64, causal=(True, False, False)), 4, 3),
+    "dq-1d-d128": (kernels.na_bwd_dq_kernel, window_constexprs(1, (1, 1, 64), (1, 1, 64), 128, 128), 4, 2),
+    "dq-2d-d32-rpb": (kernels.na_bwd_dq_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 32, 32, True), 4, 2),
+    "dkdv-1d-d128": (kernels.na_bwd_dkdv_kernel, window_constexprs(1, (1, 1, 64), (1, 1, 64), 128, 128), 8, 1),
+    "dkdv-2d-d32-rpb": (kernels.na_bwd_dkdv_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 32, 32, True), 4,
+                        1),
+    "dkdv-3d-d64-causal": (kernels.na_bwd_dkdv_kernel,
+                           window_constexprs(3, (2, 4, 8), (2, 4, 8), 64, 64, causal=(True, False, False)), 4, 2),
+    "drpb-2d-d32": (kernels.na_bwd_drpb_kernel,
+                    dict(CAUSAL0=False, CAUSAL1=False, CAUSAL2=False, T0=1, T1=8, T2=8, BLOCK_D=32, BLOCK_DV=32,
+                         ATOMIC=False, IDX64=False), 4, 1),
+}
+
+
+def main(names):
+    for name, (fn, constexprs, warps, stages) in CASES.items():
+        if names and not any(n in name for n in names):
+            continue
+        try:
+            regs, spill, wgmma = compile_one(fn, constexprs, num_warps=warps, num_stages=stages)
+            print(f"{name:24s} ok   regs={regs} spill_bytes={spill} wgmma={wgmma}", flush=True)
+        except Exception as err:
+            msg = str(err).strip().splitlines()
+            print(f"{name:24s} FAIL {type(err).__name__}: {msg[-1] if msg else ''}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
