@@ -323,17 +323,20 @@ def main(argv=None):
             f"d={p.dilation} causal={p.causal} rpb={p.rpb}")
         rows += run_problem(p, backends, args.backward, dtype, env, args, log)
         torch.cuda.empty_cache()
-    table = format_table(rows)
-    print(table)
-    if args.out:
-        with open(args.out + ".json", "w") as fh:
-            json.dump({"env": env, "rows": [asdict(r) for r in rows]}, fh, indent=1)
-        with open(args.out + ".csv", "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=[k for k in asdict(rows[0]) if k != "extra"])
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({k: v for k, v in asdict(r).items() if k != "extra"})
+        if args.out:  # after every problem, so a run cut short still leaves its results
+            write_results(args.out, env, rows)
+    print(format_table(rows))
     return rows
+
+
+def write_results(prefix: str, env: dict, rows: list[Row]) -> None:
+    with open(prefix + ".json", "w") as fh:
+        json.dump({"env": env, "rows": [asdict(r) for r in rows]}, fh, indent=1)
+    with open(prefix + ".csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=[k for k in asdict(rows[0]) if k != "extra"])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: v for k, v in asdict(r).items() if k != "extra"})
 
 
 if __name__ == "__main__":
