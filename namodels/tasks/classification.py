@@ -138,6 +138,13 @@ class ClassificationModule(pl.LightningModule):
         check_range(f"{p}.label_smoothing", label_smoothing, 0, 1, high_open=True)
         check_range(f"{p}.ema.decay", ema["decay"], 0, 1, low_open=True, high_open=True)
 
+    def setup(self, stage: str) -> None:
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self.ema is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            raise ValueError("task.module.ema.enabled: the weight EMA is not supported with trainer=fsdp "
+                             "(it would be sharded with the model); use trainer=ddp or disable the EMA")
+
     # ---- forward -------------------------------------------------------------------------------
     def _backend(self):
         return ops.use_backend(self.backend) if self.backend is not None else contextlib.nullcontext()

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..utils.checks import check_choice
-from .runner import build, instantiate_group
+from .runner import build, instantiate_group, route_lightning_logs
 from .models import check_model_name, file_metadata, load_weights, META_MODEL
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ def accuracy(cfg: DictConfig) -> dict:
 
     from .classification import ClassificationModule
 
+    route_lightning_logs()
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     model_cfg = _plain(cfg.model)
