@@ -378,6 +378,24 @@ def test_forward_backward_and_grad_checkpointing():
         torch.testing.assert_close(p.grad, grads[k], rtol=1e-4, atol=1e-6)
 
 
+def test_attention_dropout_path_with_clamped_dilation():
+    """Training with attention dropout goes through the unfused qk/av ops, also with a clamped dilation;
+    with a vanishing drop probability it equals the inference path."""
+    arch = dict(TINY, depths=(2, 1, 1, 1))
+    model = timm.create_model("dinat_mini", backend="naive", attn_drop_rate=0.5, drop_path_rate=0.0,
+                              dilations=dilated(arch["depths"], (8, 1, 1, 1)), **arch)
+    x = torch.randn(1, 3, 64, 64)  # level 0 is 16x16: dilation 8 clamps to 2
+    model.eval()
+    with torch.no_grad():
+        expected = model(x)
+        model.train()
+        assert not torch.allclose(model(x), expected)  # weights are dropped
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout) and m.p == 0.5:
+                m.p = 1e-12
+        torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_no_weight_decay_and_group_matcher():
     model = timm.create_model("nat_mini", layer_scale=1e-5, **TINY)
     nwd = model.no_weight_decay()

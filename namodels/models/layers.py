@@ -15,6 +15,7 @@ from torch import nn
 
 import ops
 from ops.functional import neighborhood_attention
+from ops.unfused import na_av, na_qk
 
 DILATION_MODES = ("clamp", "pad")
 
@@ -62,25 +63,24 @@ class NeighborhoodAttention2D(ops.NeighborhoodAttention2D):
         dilation, (Hp, Wp) = fit_window((H, W), self.kernel_size, self.dilation, self.dilation_mode)
         if (Hp, Wp) != (H, W):
             x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))
-        if dilation == self.dilation:
-            out = super().forward(x)
-        else:
-            out = self._forward_dilated(x, dilation)
+        out = self._attend(x, dilation)
         if (Hp, Wp) != (H, W):
             out = out[:, :H, :W]
         return out
 
-    def _forward_dilated(self, x: torch.Tensor, dilation: tuple[int, int]) -> torch.Tensor:
-        """Same computation as the parent's forward, with a per-call (clamped) dilation."""
-        if self.training and self.attn_drop.p > 0:
-            raise ValueError(
-                f"dilation: attention dropout needs the configured dilation {self.dilation}, but the input "
-                f"{tuple(x.shape[1:3])} only admits {dilation}; train at a larger input or with dilation_mode='pad'"
-            )
+    def _attend(self, x: torch.Tensor, dilation: tuple[int, int]) -> torch.Tensor:
+        """The parent's computation with a per-call dilation (the configured one, or its clamp)."""
         B, H, W, _ = x.shape
         q, k, v = self.qkv(x).reshape(B, H, W, 3, self.num_heads, self.head_dim).unbind(-3)
-        out = neighborhood_attention(2, q, k, v, self.kernel_size, self.stride, dilation, self.is_causal,
-                                     rpb=self.rpb, backend=self.backend)
+        if self.training and self.attn_drop.p > 0:
+            # dropout needs the attention weights: unfused qk -> softmax -> dropout -> av
+            logits = na_qk(2, q * self.head_dim ** -0.5, k, self.kernel_size, self.stride, dilation, self.is_causal,
+                           rpb=self.rpb)
+            attn = self.attn_drop(torch.softmax(logits.float(), dim=-1).to(q.dtype))
+            out = na_av(2, attn, v, self.kernel_size, self.stride, dilation, self.is_causal)
+        else:
+            out = neighborhood_attention(2, q, k, v, self.kernel_size, self.stride, dilation, self.is_causal,
+                                         rpb=self.rpb, backend=self.backend)
         return self.proj_drop(self.proj(out.reshape(B, H, W, self.dim)))
 
 
