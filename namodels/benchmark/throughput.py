@@ -177,7 +177,12 @@ def _check_backend(backend: str | None) -> None:
 
 def build_model(spec_build: Callable[[], nn.Module], device: torch.device, backend: str | None,
                 channels_last: bool) -> nn.Module:
-    with torch.device(device):
+    try:  # parameters created on the device directly: large models initialise in a fraction of the time
+        with torch.device(device):
+            model = spec_build()
+    except Exception:  # noqa: BLE001  (a constructor with host-only code, e.g. numpy on tensors): build on CPU
+        if device.type == "cpu":
+            raise
         model = spec_build()
     model = model.to(device)
     if backend == DENSE:
