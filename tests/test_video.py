@@ -245,3 +245,88 @@ def test_video_clips_frame_folders_gif_and_labels(tmp_path):
         VideoClips(str(tmp_path), num_frames=40)
     with pytest.raises(ValueError, match="sampling"):
         VideoClips(str(tmp_path), sampling="every")
+
+
+# ----------------------------------------------------------------------------------------- task
+
+
+TINY_MODEL = dict(name="video_nat_nano", backend=None,
+                  kwargs=dict(embed_dim=32, depth=2, num_heads=2, kernel_size=3, dilation=2))
+TINY_DATA = dict(name="moving_digits", source="moving_digits", num_frames=6, batch_size=4, val_batch_size=8,
+                 train_clips=64, val_clips=8)
+
+
+def _fit(tmp_path, **task_kwargs):
+    import lightning.pytorch as pl
+
+    from namodels.data.video import VideoDataModule
+    from namodels.tasks.video import VideoTask
+
+    task = VideoTask(TINY_MODEL, TINY_DATA, rollout=dict(context=3), scheduler=dict(warmup_steps=1), **task_kwargs)
+    trainer = pl.Trainer(max_steps=2, limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu",
+                         default_root_dir=str(tmp_path))
+    before = [p.detach().clone() for p in task.model.parameters()]
+    trainer.fit(task, VideoDataModule(TINY_DATA, seed=0))
+    assert any(not torch.equal(a, b) for a, b in zip(before, task.model.parameters()))  # it trained
+    return task, {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def test_task_next_frame_fit_and_metrics(tmp_path):
+    task, m = _fit(tmp_path, loss="l1")
+    assert task.model.in_chans == 1 and task.model.img_size == (32, 32)  # taken from the data config
+    for key in ("val/mse", "val/copy_mse", "val/mse_ratio", "val/psnr", "val/ssim", "val/rollout_mse",
+                "val/rollout_psnr", "val/rollout_ssim", "train/loss_step"):
+        assert key in m and np.isfinite(m[key]), key
+    assert m["val/copy_mse"] > 0 and abs(m["val/mse_ratio"] - m["val/mse"] / m["val/copy_mse"]) < 1e-5
+    assert 0 < m["val/psnr"] < 60 and -1 <= m["val/ssim"] <= 1
+
+
+def test_task_classification_fit(tmp_path):
+    task, m = _fit(tmp_path, objective="classification")
+    assert task.model.num_classes == 10 and 0 <= m["val/top1"] <= 100 and np.isfinite(m["val/loss"])
+
+
+def test_task_and_data_config_errors(tmp_path):
+    from namodels.data.video import VideoDataModule, check_data_config
+    from namodels.tasks.video import VideoTask
+
+    with pytest.raises(ValueError, match="task.module.objective"):
+        VideoTask(TINY_MODEL, TINY_DATA, objective="segmentation")
+    with pytest.raises(ValueError, match="task.module.rollout.context"):
+        VideoTask(TINY_MODEL, TINY_DATA, rollout=dict(context=6))
+    with pytest.raises(ValueError, match="model.name"):
+        VideoTask(dict(name="nat_digits"), TINY_DATA)
+    with pytest.raises(ValueError, match="data: unknown keys"):
+        check_data_config(dict(TINY_DATA, img_sise=32))
+    with pytest.raises(ValueError, match="data.channels"):
+        check_data_config(dict(TINY_DATA, channels=3))
+    with pytest.raises(ValueError, match="data.root"):
+        check_data_config(dict(source="folder"))
+    _write_frames(tmp_path / "v" / "a", 8)
+    _write_frames(tmp_path / "v" / "b", 8, seed=1)
+    dm = VideoDataModule(dict(source="folder", root=str(tmp_path / "v"), num_frames=4, img_size=16, batch_size=2,
+                              val_fraction=0.5, clips_per_video=2), seed=0)
+    clips, labels = next(iter(dm.train_dataloader()))
+    assert clips.shape == (2, 4, 3, 16, 16) and labels.tolist() == [-1, -1]
+    assert len(dm.val_set) == 1 and len(dm.train_set) == 2
+
+
+@pytest.mark.slow
+def test_default_cpu_run_halves_copy_last_frame_mse(tmp_path):
+    """The acceptance run: python train.py experiment=video_moving_digits (CPU, < 15 minutes)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    started = time.time()
+    subprocess.run([sys.executable, "train.py", "experiment=video_moving_digits", f"paths.root_dir={tmp_path}",
+                    "callbacks.progress_bar=null", "logger=csv"], cwd=root, check=True, timeout=20 * 60)
+    elapsed = time.time() - started
+    summary = json.load(open(tmp_path / "logs" / "video" / "video_nat_nano-moving_digits" / "summary.json"))
+    m = summary["metrics"]
+    assert m["val/mse"] <= 0.5 * m["val/copy_mse"], m
+    assert elapsed < 15 * 60, elapsed
