@@ -251,9 +251,10 @@ def to_hf_layout(sd: dict, prefix: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name,prefix,kwargs", [("nat_mini", "nat", {}),
-                                                ("dinat_mini", "dinat", dict(layer_scale=1e-5, **TINY, dilations=dilated(
-                                                    TINY["depths"], (2, 2, 1, 1))))])
+TINY_DINAT_LS = dict(TINY, layer_scale=1e-5, dilations=dilated(TINY["depths"], (2, 2, 1, 1)))
+
+
+@pytest.mark.parametrize("name,prefix,kwargs", [("nat_mini", "nat", {}), ("dinat_mini", "dinat", TINY_DINAT_LS)])
 def test_hugging_face_layout_loads(tmp_path, name, prefix, kwargs):
     reference = timm.create_model(name, **kwargs)
     sd = synthetic_weights([(k, list(v.shape)) for k, v in reference.state_dict().items()], seed=5)
@@ -412,10 +413,11 @@ def test_no_weight_decay_and_group_matcher():
     layered = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05, layer_decay=0.8)
     assert sum(len(g["params"]) for g in layered.param_groups) == len(names)
     scales = {id(p): g["lr_scale"] for g in layered.param_groups for p in g["params"]}
-    assert scales[id(names["patch_embed.proj.0.weight"])] < scales[id(names["levels.0.blocks.0.attn.qkv.weight"])]
-    assert scales[id(names["levels.0.blocks.0.attn.qkv.weight"])] < scales[id(names["levels.0.downsample.reduction.weight"])]
-    assert scales[id(names["levels.0.downsample.reduction.weight"])] <= scales[id(names["levels.1.blocks.0.norm1.weight"])]
-    assert scales[id(names["levels.3.blocks.0.mlp.fc2.weight"])] <= scales[id(names["head.weight"])]
+    scale = {name: scales[id(p)] for name, p in names.items()}
+    assert scale["patch_embed.proj.0.weight"] < scale["levels.0.blocks.0.attn.qkv.weight"]
+    assert scale["levels.0.blocks.0.attn.qkv.weight"] < scale["levels.0.downsample.reduction.weight"]
+    assert scale["levels.0.downsample.reduction.weight"] <= scale["levels.1.blocks.0.norm1.weight"]
+    assert scale["levels.3.blocks.0.mlp.fc2.weight"] <= scale["head.weight"]
     coarse = model.group_matcher(coarse=True)
     assert re.match(coarse["blocks"], "levels.2.downsample.norm.weight")
 

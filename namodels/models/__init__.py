@@ -1,7 +1,8 @@
-"""Models registered in timm on import: NAT / DiNAT (``nat.py``) and DiNAT_s (``dinat_s.py``)."""
+"""Models registered in timm on import: NAT / DiNAT (``nat.py``), DiNAT_s (``dinat_s.py``), the causal
+video NAT (``video.py``) and StyleNAT (``stylenat.py``)."""
 from .dinat_s import DiNAT_s
 from .nat import NAT
+from .stylenat import StyleNATDiscriminator, StyleNATGenerator
+from .video import VideoNAT
 
-__all__ = ["NAT", "DiNAT_s"]
-from .video import VideoNAT  # noqa: E402  (registers video_nat_* in timm)
-from .stylenat import StyleNATDiscriminator, StyleNATGenerator  # noqa: E402
+__all__ = ["NAT", "DiNAT_s", "VideoNAT", "StyleNATGenerator", "StyleNATDiscriminator"]
