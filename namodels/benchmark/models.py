@@ -133,6 +133,8 @@ def swap_dense_attention(model: nn.Module, rpb: str = "drop") -> int:
     """Replaces (in place) every plain NA self-attention module of ``model`` by :class:`DenseSelfAttention`
     and returns how many were replaced (raises ``ValueError`` if none: the model has no swappable NA)."""
     targets = [(name, m) for name, m in model.named_modules() if _swappable(m)]
+    if any(name == "" for name, _ in targets):
+        raise ValueError("model: is itself an NA module; wrap it (e.g. nn.Sequential(model)) to swap it in place")
     if not targets:
         raise ValueError("model: no neighborhood self-attention module with forward(x) to swap for dense SDPA")
     for name, module in targets:

@@ -289,8 +289,8 @@ def measure_throughput(
     if count_flops and macs is None:
         macs = count_macs(model, _inputs(input_factory, 1, device, channels_last))
     if macs is not None:
-        row["infer_gmacs"] = round(macs["macs"] / 1e9, 3)
-        row["na_gmacs"] = round(macs["na_macs"] / 1e9, 3)
+        row["infer_gmacs"] = round(macs["macs"] / 1e9, 6)
+        row["na_gmacs"] = round(macs["na_macs"] / 1e9, 6)
     runner = torch.compile(model) if compile else model
     backend_ctx = force_backend(model, na_backend) if na_backend else contextlib.nullcontext()
     phases = [("infer", infer), ("train", train)]

@@ -1,0 +1,305 @@
+"""Model throughput benchmark (namodels.benchmark): CPU, tiny models, 1-2 timed steps."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import namodels  # noqa: F401  registers the models
+import ops
+from namodels.benchmark import report
+from namodels.benchmark.flops import count_macs, na_macs
+from namodels.benchmark.models import DenseSelfAttention, force_backend, swap_dense_attention
+from namodels.benchmark.throughput import (BenchOptions, main, measure_throughput, model_groups, model_spec,
+                                           run_benchmarks)
+from namodels.benchmark.timing import TimingSettings, is_oom, with_batch_decay
+from namodels.models.nat import NAT
+from ops.functional import make_params
+
+FAST = TimingSettings(warmup=1, iters=1, min_iters=1, cap_s=30.0, warmup_cap_s=30.0)
+TIMM_COLUMNS = ("model", "infer_samples_per_sec", "infer_step_time", "infer_batch_size", "infer_img_size",
+                "infer_gmacs", "train_samples_per_sec", "train_step_time", "train_batch_size", "param_count")
+
+
+def _one_stage_nat(**kwargs):
+    """A NAT whose single stage is 7x7 at a 28x28 input: the 7x7 window covers the whole map."""
+    torch.manual_seed(0)
+    return NAT(embed_dim=32, depths=(2,), num_heads=(2,), kernel_size=7, num_classes=5, mlp_ratio=2.0,
+               drop_path_rate=0.0, **kwargs).eval()
+
+
+# ------------------------------------------------------------------------------------ dense swap
+
+
+@pytest.mark.parametrize("dilations", [None, [[1, 2]]])  # dilation 2 is clamped to 1 on a 7x7 map
+def test_dense_swap_equals_na_when_window_covers_map(dilations):
+    model = _one_stage_nat(dilations=dilations)
+    x = torch.randn(2, 3, 28, 28)
+    with torch.no_grad(), ops.use_backend("naive"):
+        expected = model(x)
+    params = sum(p.numel() for p in model.parameters())
+    assert swap_dense_attention(model, rpb="bias") == 2
+    assert sum(isinstance(m, DenseSelfAttention) for m in model.modules()) == 2
+    assert sum(p.numel() for p in model.parameters()) == params  # rpb kept (shared)
+    with torch.no_grad():
+        got = model(x)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_swap_drop_rpb_equals_na_without_bias():
+    model = _one_stage_nat()
+    for name, p in model.named_parameters():
+        if name.endswith("rpb"):
+            nn.init.zeros_(p)
+    x = torch.randn(2, 3, 28, 28)
+    with torch.no_grad(), ops.use_backend("naive"):
+        expected = model(x)
+    swap_dense_attention(model)  # rpb='drop': plain SDPA
+    with torch.no_grad():
+        got = model(x)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_swap_causal_3d_covering_window():
+    torch.manual_seed(1)
+    na = ops.NeighborhoodAttention3D(16, 2, kernel_size=(4, 3, 5), is_causal=(True, False, False))
+    model = nn.Sequential(na).eval()
+    x = torch.randn(2, 4, 3, 5, 16)
+    with torch.no_grad():
+        expected = model[0](x)  # NA, naive/gemm: automatic on CPU
+    swap_dense_attention(model)
+    with torch.no_grad():
+        got = model(x)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_swap_errors():
+    with pytest.raises(ValueError, match="model"):
+        swap_dense_attention(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="model"):
+        swap_dense_attention(ops.NeighborhoodAttention2D(8, 2, 3))
+    with pytest.raises(ValueError, match="rpb"):
+        DenseSelfAttention(ops.NeighborhoodAttention2D(8, 2, 3), rpb="clamp")
+
+
+# ------------------------------------------------------------------------------------------ MACs
+
+
+def test_count_macs_na_layer_is_exact():
+    dim, heads, k, side = 32, 2, 5, 9
+    na = ops.NeighborhoodAttention2D(dim, heads, k, rel_pos_bias=True, backend="naive")  # forced over
+    macs = count_macs(nn.Sequential(na), torch.randn(1, side, side, dim))
+    n = side * side
+    assert macs["na_macs"] == heads * n * k * k * (2 * (dim // heads))
+    assert macs["dense_macs"] == n * dim * 3 * dim + n * dim * dim  # qkv + proj
+    assert na.backend == "naive"  # restored
+
+
+def test_count_macs_causal_and_dense():
+    params = make_params((4, 6), (3, 3), 1, 1, (True, False))
+    # causal time axis of 4 with K=3: keys 1, 2, 3, 3 -> mean 2.25, times 3 on the other axis
+    assert na_macs(params, 2, 4, 8, 8) == 2 * 4 * 24 * 2.25 * 3 * 16
+    na = ops.NeighborhoodAttention2D(16, 2, 3)
+    model = nn.Sequential(na)
+    swap_dense_attention(model)
+    macs = count_macs(model, torch.randn(1, 5, 5, 16))
+    n = 25
+    assert macs["na_macs"] == 0
+    assert macs["dense_macs"] == n * 16 * 48 + n * 16 * 16 + 2 * n * n * 8 * 2  # SDPA over all 25 tokens
+
+
+def test_nat_mini_gmacs_match_the_paper():
+    """NAT-Mini at 224: 2.7 GFLOPs (multiply-accumulates) in the NAT paper; 20.0M parameters."""
+    import timm
+
+    model = timm.create_model("nat_mini")
+    macs = count_macs(model, torch.randn(1, 3, 224, 224))
+    assert abs(macs["macs"] / 1e9 - 2.7) < 0.05
+    assert 0.1 < macs["na_macs"] / 1e9 < 0.2
+
+
+# ------------------------------------------------------------------------------- OOM decay / timing
+
+
+def _fake_oom(batch, limit):
+    if batch > limit:
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {batch} GiB")
+
+
+def test_batch_decay_steps_down_on_oom_only():
+    tried = []
+
+    def run(b):
+        tried.append(b)
+        _fake_oom(b, 40)
+        return b
+
+    assert with_batch_decay(run, 128) == (32, 32)
+    assert tried == [128, 96, 64, 48, 32]
+    with pytest.raises(torch.OutOfMemoryError):
+        with_batch_decay(lambda b: _fake_oom(b, 0), 4)
+    calls = []
+
+    def broken(b):
+        calls.append(b)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal"):
+        with_batch_decay(broken, 64)
+    assert calls == [64]  # not retried
+    assert is_oom(RuntimeError("CUDA out of memory")) and not is_oom(ValueError("out of memory"))
+
+
+class _Limited(nn.Module):
+    """Raises a (fake) OOM above a batch size."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        _fake_oom(x.shape[0], self.limit)
+        return self.fc(x)
+
+
+def test_measure_throughput_decays_batch_on_oom():
+    row = measure_throughput(lambda: _Limited(3), lambda b, d: torch.randn(b, 6, device=d), name="limited",
+                             batch_size=8, precision="fp32", device="cpu", settings=FAST)
+    assert row["infer_batch_size"] == 3 and row["train_batch_size"] == 3  # 8 -> 6 -> 4 -> 3
+    assert row["status"] == "ok" and row["infer_samples_per_sec"] > 0 and row["train_samples_per_sec"] > 0
+    assert row["param_count"] == 0.0 and row["infer_gmacs"] == round(6 * 3 / 1e9, 6)
+
+
+def test_time_steps_respects_caps_and_iterations():
+    from namodels.benchmark.timing import time_steps
+
+    calls = []
+    times = time_steps(lambda: calls.append(1), torch.device("cpu"), TimingSettings(warmup=2, iters=5))
+    assert len(times) == 5 and len(calls) == 7 and all(t >= 0 for t in times)
+    import time as _time
+
+    slow = TimingSettings(warmup=3, iters=10, min_iters=2, cap_s=0.01, warmup_cap_s=0.01)
+    calls.clear()
+    times = time_steps(lambda: (calls.append(1), _time.sleep(0.02)), torch.device("cpu"), slow)
+    assert len(times) == 2 and len(calls) == 3  # one warm-up (over its cap), min_iters timed
+    with pytest.raises(ValueError, match="iters"):
+        TimingSettings(iters=0)
+
+
+# ----------------------------------------------------------------------------------------- rows
+
+
+def test_measure_row_nat_digits_and_backend_forcing():
+    spec = model_spec("nat_digits", img_size=32)
+    row = measure_throughput(spec.build, spec.make_input, name="nat_digits", backend="naive", precision="fp32",
+                             batch_size=2, img_size=32, device="cpu", settings=FAST)
+    for col in TIMM_COLUMNS + ("backend", "precision", "na_gmacs", "status"):
+        assert col in row, col
+    assert row["status"] == "ok" and row["backend"] == "naive"
+    assert row["infer_samples_per_sec"] > 0 and row["train_step_time"] > 0 and row["infer_iters"] == 1
+    assert row["param_count"] > 0 and row["infer_gmacs"] > row["na_gmacs"] > 0
+    assert row["infer_img_size"] == 32 and row["infer_peak_mem_mib"] is None  # CPU: no CUDA memory stats
+    # a backend that cannot serve the problem is reported for both phases, not raised ('count' only serves
+    # FLOP counting)
+    from namodels.benchmark.flops import COUNT_BACKEND
+
+    bad = measure_throughput(spec.build, spec.make_input, name="nat_digits", backend=COUNT_BACKEND,
+                             precision="fp32", batch_size=2, img_size=32, device="cpu", settings=FAST)
+    assert bad["status"] == "error" and bad["infer_gmacs"] == row["infer_gmacs"]
+    assert bad["infer_error"].startswith("ValueError: backend") and bad["train_error"] == bad["infer_error"]
+    with pytest.raises(ValueError, match="precision"):
+        measure_throughput(spec.build, spec.make_input, name="x", precision="fp8", device="cpu")
+    with pytest.raises(ValueError, match="backend"):
+        measure_throughput(spec.build, spec.make_input, name="x", backend="nope", device="cpu")
+
+
+def test_force_backend_overrides_module_backends():
+    model = nn.Sequential(ops.NeighborhoodAttention2D(8, 2, 3, backend="gemm"))
+    seen = []
+    with force_backend(model, "naive"):
+        seen.append((model[0].backend, ops.current_backend()))
+    assert seen == [("naive", "naive")] and model[0].backend == "gemm" and ops.current_backend() is None
+
+
+def test_video_spec_runs():
+    spec = model_spec("video_nat_nano", img_size=32, frames=2)
+    row = measure_throughput(spec.build, spec.make_input, name=spec.name, backend="naive", precision="fp32",
+                             batch_size=1, img_size=32, device="cpu", settings=FAST, train=False)
+    assert row["status"] == "ok" and row["na_gmacs"] > 0
+
+
+# ----------------------------------------------------------------------------------- plan / CLI
+
+
+def test_model_groups():
+    assert model_groups(["a", "b", "/", "c"]) == [["a", "b"], ["c"]]
+    assert model_groups(["a/c", "d"]) == [["a"], ["c", "d"]]
+    assert model_groups(["/", "a", "/"]) == [["a"]]
+
+
+def test_cli_writes_every_output_and_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    args = ["--models", "nat_digits", "/", "test_resnet", "--backends", "naive", "sdpa", "--precisions", "fp32",
+            "--batch", "2", "--img-size", "32", "--warmup", "1", "--iters", "1", "--out", out]
+    rows = main(args)
+    keys = {(r["model"], r["backend"]) for r in rows}
+    assert keys == {("nat_digits", "naive"), ("nat_digits", "sdpa"), ("test_resnet", "-")}
+    assert all(r["status"] == "ok" for r in rows)
+    for name in ("throughput.csv", "throughput.json", "throughput.md", "throughput.png", "rows.jsonl"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    with open(os.path.join(out, "throughput.csv")) as f:
+        table = list(csv.DictReader(f))
+    assert set(TIMM_COLUMNS + ("backend", "precision")) <= set(table[0]) and len(table) == 3
+    with open(os.path.join(out, "throughput.json")) as f:
+        data = json.load(f)
+    assert data["meta"]["torch"] == torch.__version__ and len(data["rows"]) == 3 and len(data["targets"]) == 4
+    with open(os.path.join(out, "throughput.md")) as f:
+        assert "| nat_digits | sdpa | fp32 |" in f.read()
+    before = {report.row_key(r): r["infer_step_time"] for r in rows}
+    again = main(args + ["--resume"])  # everything done: nothing re-measured
+    assert {report.row_key(r): r["infer_step_time"] for r in again} == before
+
+
+def test_deadline_records_rows_as_not_run(tmp_path):
+    options = BenchOptions(models=["nat_digits"], backends=["naive"], precisions=["fp32"], batch_size=2,
+                           img_size=32, device="cpu", timing=FAST, deadline_s=1e-3, min_row_s=1e9, chart=False)
+    rows = run_benchmarks(options, str(tmp_path))
+    assert [(r["status"], r["infer_error"]) for r in rows] == [("skipped", "not run: time budget spent")]
+
+
+def test_report_targets_and_chart(tmp_path):
+    def row(model, backend, infer, train=None):
+        return dict(model=model, backend=backend, precision="bf16", infer_samples_per_sec=infer,
+                    train_samples_per_sec=train)
+
+    rows = [row("nat_mini", "naive", 100.0, 10.0), row("nat_mini", "fused", 400.0, 12.0),
+            row("dinat_mini", "naive", 100.0), row("nat_tiny", "fused", 900.0),
+            row("swin_tiny_patch4_window7_224", "-", 1000.0)]
+    checks = {c["target"].split(",")[0] + c["target"].split(",")[1]: c for c in report.target_checks(rows)}
+    values = [(c["value"], c["met"]) for c in report.target_checks(rows)]
+    assert values == [(4.0, True), (None, None), (1.2, False), (0.9, False)]
+    assert len(checks) == 4
+    assert report.plot(rows, str(tmp_path / "c.png")) and os.path.getsize(tmp_path / "c.png") > 1000
+    assert report.plot([], str(tmp_path / "none.png")) is None
+
+
+def test_hydra_task_config_maps_to_options():
+    hydra = pytest.importorskip("hydra")
+    from hydra import compose, initialize_config_dir
+
+    from namodels.benchmark.task import options_from_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with initialize_config_dir(config_dir=os.path.join(root, "configs"), version_base="1.3"):
+        cfg = compose("eval", overrides=["task=throughput", "task.batch_size=4", "task.backends=[naive,sdpa]",
+                                         "task.timing={warmup:1,iters:2,min_iters:1,cap_s:1,warmup_cap_s:1}"])
+    assert cfg.task.stage == "eval" and cfg.task.run._target_ == "namodels.benchmark.task.run"
+    options = options_from_config(cfg.task)
+    assert options.batch_size == 4 and options.backends == ["naive", "sdpa"] and options.timing.iters == 2
+    assert model_groups(options.models)[0][:3] == ["nat_mini", "dinat_mini", "nat_tiny"]
+    assert hydra is not None
