@@ -17,6 +17,8 @@ from namodels.benchmark.models import DenseSelfAttention, force_backend, swap_de
 from namodels.benchmark.throughput import (BenchOptions, main, measure_throughput, model_groups, model_spec,
                                            run_benchmarks)
 from namodels.benchmark.timing import TimingSettings, is_oom, with_batch_decay
+from dataclasses import replace
+
 from namodels.models.nat import NAT
 from ops.functional import make_params
 
@@ -303,3 +305,75 @@ def test_hydra_task_config_maps_to_options():
     assert options.batch_size == 4 and options.backends == ["naive", "sdpa"] and options.timing.iters == 2
     assert model_groups(options.models)[0][:3] == ["nat_mini", "dinat_mini", "nat_tiny"]
     assert hydra is not None
+
+
+class _CrashesInTraining(nn.Module):
+    """NA model whose backward 'kills the CUDA context' (what an illegal memory access does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.na = ops.NeighborhoodAttention2D(8, 2, 3)
+
+    def forward(self, x):
+        if self.training:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.na(x)
+
+
+def test_lost_cuda_context_keeps_the_row_and_restarts(tmp_path, monkeypatch):
+    from namodels.benchmark import throughput as tp
+
+    state = {"dead": False}
+
+    def context_ok(device):
+        return not state["dead"]
+
+    def crash_spec(name, img_size=224, frames=8):
+        def build():
+            model = _CrashesInTraining()
+            original = model.forward
+
+            def forward(x):
+                try:
+                    return original(x)
+                except RuntimeError:
+                    state["dead"] = True
+                    raise
+
+            model.forward = forward
+            return model
+
+        return tp.ModelSpec(name, build, lambda b, d: (torch.randn(b, 5, 5, 8, device=d),), img_size=5)
+
+    monkeypatch.setattr(tp, "cuda_context_ok", context_ok)
+    monkeypatch.setattr(tp, "model_spec", crash_spec)
+    restarts = []
+
+    class Restarted(Exception):
+        pass
+
+    def restart():
+        restarts.append(tp.report.read_rows(str(tmp_path / "rows.jsonl")))
+        raise Restarted
+
+    options = BenchOptions(models=["a", "b"], backends=["naive", "gemm"], precisions=["fp32"], batch_size=2,
+                           device="cpu", timing=FAST, chart=False)
+    with pytest.raises(Restarted):
+        run_benchmarks(options, str(tmp_path), restart=restart)
+    (row,) = restarts[0]  # written before the restart, with the inference numbers
+    assert row["crash"] == "train" and row["cuda_ok"] is False and row["infer_samples_per_sec"] > 0
+    assert "illegal memory access" in row["train_error"] and row["status"] == "partial"
+    # each restarted process (resume) goes on; a backend whose training killed the context is not trained again
+    for _ in range(4):
+        state["dead"] = False
+        try:
+            rows = run_benchmarks(replace(options, resume=True), str(tmp_path), restart=restart)
+            break
+        except Restarted:
+            continue
+    assert len(restarts) == 2  # a/naive, then a/gemm (a new backend) crashed
+    by_key = {(r["model"], r["backend"]): r for r in rows}
+    for backend in ("naive", "gemm"):
+        row = by_key[("b", backend)]
+        assert row["train_error"].startswith(f"not run: {backend} train killed the CUDA context earlier (a fp32)")
+        assert row["infer_samples_per_sec"] > 0 and row.get("cuda_ok", True)

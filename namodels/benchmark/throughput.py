@@ -157,8 +157,9 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _is_unsupported(err: BaseException) -> bool:
-    return isinstance(err, ValueError) and str(err).startswith("backend:")
+def _is_unsupported_message(message: str) -> bool:
+    """A backend that cannot serve the model's problems (``ops`` raises ``ValueError('backend: ...')``)."""
+    return message.startswith("ValueError: backend:")
 
 
 def _resolve_device(device) -> torch.device:
@@ -313,12 +314,13 @@ def measure_throughput(
                 result, used = with_batch_decay(run, batch_size)
             except Exception as err:  # noqa: BLE001  (a benchmark reports failures and goes on)
                 row[f"{phase}_error"] = _short(err)
-                if _is_unsupported(err):
-                    skip_reason = row[f"{phase}_error"]
-                if not cuda_context_ok(device):
-                    row["cuda_ok"] = False
-                    row["crash"] = phase
+                log.warning("%s %s %s %s failed: %s", name, backend, precision, phase, row[f"{phase}_error"])
+                del err
+                if not cuda_context_ok(device):  # e.g. an illegal memory access: nothing more can run here
+                    row.update(cuda_ok=False, crash=phase)
                     skip_reason = f"not run: CUDA context lost in {phase}"
+                elif _is_unsupported_message(row[f"{phase}_error"]):
+                    skip_reason = row[f"{phase}_error"]
                 free_memory()
                 continue
             step = median_ms(result["times"])
@@ -500,8 +502,14 @@ def run_benchmarks(options: BenchOptions, out_dir: str, *, command: str | None =
                         run.write(_not_run(name, backend, precision, "not run: time budget spent", spec.img_size,
                                            device))
                         continue
-                    row = _measure_row(run, spec, backend, precision)
-                    run.write(row)
+                    try:
+                        row = _measure_row(run, spec, backend, precision)
+                    except Exception as err:  # noqa: BLE001  (e.g. the model does not build on the device)
+                        row = dict(_not_run(name, backend, precision, _short(err), spec.img_size, device),
+                                   status="error")
+                    if row.get("cuda_ok", True) and not cuda_context_ok(device):
+                        row.update(cuda_ok=False, crash=row.get("crash") or "infer")
+                    run.write(row)  # before anything else: a restart or a kill keeps it
                     run.done[key] = row
                     print(_row_line(row), flush=True)
                     if not row.get("cuda_ok", True):
