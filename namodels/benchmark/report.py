@@ -137,7 +137,7 @@ def write_tables(rows: list[dict], out_dir: str, meta: dict | None = None, stem:
 
 def plot(rows: list[dict], path: str, title: str = "") -> str | None:
     """Grouped bars: samples/s per model (x), one bar per backend; one panel per (precision, phase).
-    Log scale, since the naive and fused backends differ by an order of magnitude or more."""
+    A panel whose values span 20x or more (naive next to fused) gets a log scale, labelled as such."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,13 +169,19 @@ def plot(rows: list[dict], path: str, title: str = "") -> str | None:
                     ax.bar(x, value, width * 0.95, color=BACKEND_COLORS.get(backend, "#333333"))
                     ax.annotate(f"{value:,.0f}" if value >= 10 else f"{value:.2g}", (x, value), xytext=(0, 2),
                                 textcoords="offset points", ha="center", va="bottom", rotation=90, fontsize=6)
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
-            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            values = [index[(m, b, precision)][f"{phase}_samples_per_sec"] for m in models for b in present[m]]
+            if values and max(values) / min(values) >= 20:  # log only where the bars span orders of magnitude
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+                    lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+                ax.set_ylabel("samples / s (log scale)")
+            else:
+                ax.yaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))
+                ax.set_ylabel("samples / s")
             ax.margins(y=0.25)
             ax.set_xticks(range(len(models)))
             ax.set_xticklabels(models, rotation=30, ha="right", fontsize=8)
-            ax.set_ylabel("samples / s (log)")
             ax.set_title(f"{'inference' if phase == 'infer' else 'training step'} — {precision}", fontsize=10)
             ax.grid(axis="y", which="both", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=BACKEND_COLORS.get(b, "#333333")) for b in backends]
