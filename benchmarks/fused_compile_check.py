@@ -70,9 +70,9 @@ CASES = {
                           window_constexprs(3, (2, 8, 8), (2, 4, 8), 64, 64, causal=(True, False, False)), 4, 3),
     "dq-1d-d128": (kernels.na_bwd_dq_kernel, window_constexprs(1, (1, 1, 64), (1, 1, 64), 128, 128), 4, 2),
     "dq-2d-d32-rpb": (kernels.na_bwd_dq_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 32, 32, True), 4, 2),
-    "dkdv-1d-d128": (kernels.na_bwd_dkdv_kernel, window_constexprs(1, (1, 1, 64), (1, 1, 64), 128, 128), 8, 1),
-    "dkdv-2d-d32-rpb": (kernels.na_bwd_dkdv_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 32, 32, True), 4,
-                        1),
+    "dkdv-1d-d128": (kernels.na_bwd_dkdv_kernel, window_constexprs(1, (1, 1, 64), (1, 1, 32), 128, 128), 8, 2),
+    "dkdv-2d-d32-rpb": (kernels.na_bwd_dkdv_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 32, 32, True), 8,
+                        2),
     "dkdv-3d-d64-causal": (kernels.na_bwd_dkdv_kernel,
                            window_constexprs(3, (2, 4, 8), (2, 4, 8), 64, 64, causal=(True, False, False)), 4, 2),
     "drpb-2d-d32": (kernels.na_bwd_drpb_kernel,
@@ -85,6 +85,8 @@ def main(names):
     for name, (fn, constexprs, warps, stages) in CASES.items():
         if names and not any(n in name for n in names):
             continue
+        if fn is kernels.na_bwd_dkdv_kernel:
+            constexprs = dict(constexprs, BISECT=12)
         try:
             regs, spill, wgmma = compile_one(fn, constexprs, num_warps=warps, num_stages=stages)
             print(f"{name:24s} ok   regs={regs} spill_bytes={spill} wgmma={wgmma}", flush=True)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @triton.jit
-def _window_kernel(out_ptr, L, K, s, d, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
+def _window_kernel(out_ptr, L, K, s, d, CAUSAL: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     # One program per axis position p: p's window as a query, p's inverse neighborhood as a key.
     p = tl.program_id(0)
     g = p % d
@@ -33,8 +33,8 @@ def _window_kernel(out_ptr, L, K, s, d, CAUSAL: tl.constexpr, BLOCK: tl.constexp
     ip = p // d
     start = wj.window_start(ip, Lg, K, s, CAUSAL)
     stop = wj.window_stop(ip, start, K, CAUSAL)
-    first = wj.first_query_reaching(ip, Lg, K, s, CAUSAL)
-    last = wj.last_query_reaching(ip, Lg, K, s, CAUSAL)
+    first = wj.first_query_reaching(ip, Lg, K, s, CAUSAL, STEPS)
+    last = wj.last_query_reaching(ip, Lg, K, s, CAUSAL, STEPS)
     # Vector form too (the kernels evaluate the window of a whole row block at once).
     offs = tl.arange(0, BLOCK)
     vec_start = wj.window_start(offs, Lg, K, s, CAUSAL)
@@ -58,7 +58,7 @@ def _axes(seed, count):
 @pytest.mark.parametrize("L,K,s,d,causal", _axes(0, 24))
 def test_jit_window_matches_window_py(L, K, s, d, causal):
     out = torch.full((L, 8), -7, dtype=torch.int32)
-    _window_kernel[(L,)](out, L, K, s, d, CAUSAL=causal, BLOCK=64)
+    _window_kernel[(L,)](out, L, K, s, d, CAUSAL=causal, BLOCK=64, STEPS=(-(-L // d)).bit_length())
     i = torch.arange(L)
     g, i_g, start, stop = axis_window(i, L, K, s, d, causal)
     Lg = L // d + (g < L % d).long()

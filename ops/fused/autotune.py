@@ -42,9 +42,9 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
     # Chosen from ptxas register reports (benchmarks/fused_compile_check.py): no spills on sm_90.
     "fwd": [(64, Config(128, 64, 8, 3)), (128, Config(128, 64, 8, 3)), (256, Config(64, 32, 8, 2))],
     "dq": [(64, Config(64, 64, 4, 2)), (128, Config(64, 64, 8, 2)), (256, Config(32, 32, 8, 1))],
-    # dkdv (outer = key/value tile) runs unpipelined (num_stages=1): with the per-query-tile
-    # lse/delta loads in its loop, Triton's software pipeliner fails to compile it (triton 3.6, 3.8).
-    "dkdv": [(64, Config(64, 64, 8, 1)), (128, Config(64, 32, 8, 1)), (256, Config(32, 32, 8, 1))],
+    # dkdv: outer = key/value tile, inner = query tile.
+    "dkdv": [(32, Config(64, 64, 4, 2)), (64, Config(64, 64, 8, 2)), (128, Config(64, 32, 8, 2)),
+             (256, Config(32, 32, 8, 1))],
     "drpb": [(256, Config(64, 1, 4, 1))],
 }
 
@@ -54,8 +54,8 @@ CANDIDATES: dict[str, list[Config]] = {
             Config(128, 32, 8, 3), Config(64, 32, 4, 2), Config(32, 32, 4, 2)],
     "dq": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
            Config(32, 32, 4, 2)],
-    "dkdv": [Config(64, 64, 8, 1), Config(64, 32, 8, 1), Config(128, 32, 8, 1), Config(64, 64, 4, 1),
-             Config(32, 32, 4, 1)],
+    "dkdv": [Config(64, 64, 8, 2), Config(64, 32, 8, 2), Config(64, 64, 4, 2), Config(128, 32, 8, 2),
+             Config(32, 32, 4, 2), Config(64, 32, 8, 1)],
     "drpb": [Config(64, 1, 4, 1), Config(32, 1, 4, 1), Config(128, 1, 8, 1)],
 }
 

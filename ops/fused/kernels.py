@@ -308,6 +308,7 @@ def na_bwd_dkdv_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
+    BISECT: tl.constexpr,
 ):
     # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
     # dK/dV share k/v's strides.  GQA: the query heads of this kv head are summed in the same loop.
@@ -339,12 +340,12 @@ def na_bwd_dkdv_kernel(
     v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
 
     # Inverse neighborhood: queries whose windows reach any key of this tile, per axis.
-    ql0 = first_query_reaching(k0, Lg0, K0, S0, CAUSAL0)
-    qh0 = last_query_reaching(tl.minimum(k0 + U0, Lg0) - 1, Lg0, K0, S0, CAUSAL0) + 1
-    ql1 = first_query_reaching(k1, Lg1, K1, S1, CAUSAL1)
-    qh1 = last_query_reaching(tl.minimum(k1 + U1, Lg1) - 1, Lg1, K1, S1, CAUSAL1) + 1
-    ql2 = first_query_reaching(k2, Lg2, K2, S2, CAUSAL2)
-    qh2 = last_query_reaching(tl.minimum(k2 + U2, Lg2) - 1, Lg2, K2, S2, CAUSAL2) + 1
+    ql0 = first_query_reaching(k0, Lg0, K0, S0, CAUSAL0, BISECT)
+    qh0 = last_query_reaching(tl.minimum(k0 + U0, Lg0) - 1, Lg0, K0, S0, CAUSAL0, BISECT) + 1
+    ql1 = first_query_reaching(k1, Lg1, K1, S1, CAUSAL1, BISECT)
+    qh1 = last_query_reaching(tl.minimum(k1 + U1, Lg1) - 1, Lg1, K1, S1, CAUSAL1, BISECT) + 1
+    ql2 = first_query_reaching(k2, Lg2, K2, S2, CAUSAL2, BISECT)
+    qh2 = last_query_reaching(tl.minimum(k2 + U2, Lg2) - 1, Lg2, K2, S2, CAUSAL2, BISECT) + 1
     n0 = tl.cdiv(tl.maximum(qh0 - ql0, 0), T0)
     n1 = tl.cdiv(tl.maximum(qh1 - ql1, 0), T1)
     n2 = tl.cdiv(tl.maximum(qh2 - ql2, 0), T2)

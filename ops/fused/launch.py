@@ -148,6 +148,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
         # outer tile = KV tile, inner tile = query tile
         window, programs = _window_args(params, launch.outer_tile)
         meta = _constexprs(params, launch, launch.inner_tile, launch.outer_tile, d, dv, has_rpb, idx64)
+        meta["BISECT"] = max(math.ceil(L / dil).bit_length() for L, dil in zip(params.spatial, params.dilation))
         for lo, hi in _batch_chunks(b, hkv):
             kernels.na_bwd_dkdv_kernel[(programs, (hi - lo) * hkv)](
                 q4[lo:hi], k4[lo:hi], v4[lo:hi], rpb_arg, do4[lo:hi], lse3[lo:hi], delta[lo:hi], dk[lo:hi],

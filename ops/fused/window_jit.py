@@ -44,29 +44,32 @@ def window_stop(i, start, K, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def first_query_reaching(j, Lg, K, s, CAUSAL: tl.constexpr):
-    """Smallest query whose window stop is past key ``j`` (``Lg`` if none); ``j`` a scalar."""
+def first_query_reaching(j, Lg, K, s, CAUSAL: tl.constexpr, STEPS: tl.constexpr):
+    """Smallest query whose window stop is past key ``j`` (``Lg`` if none); ``j`` a scalar.
+
+    Branch-free bisection over ``[0, Lg]`` with ``STEPS >= bit_length(Lg)`` unrolled steps (a
+    ``while`` loop here made Triton's software pipeliner fail on the kernel's main loop).
+    """
     lo = j * 0
     hi = Lg + j * 0
-    while lo < hi:
+    for _ in tl.static_range(STEPS):
         mid = (lo + hi) // 2
-        stop = window_stop(mid, window_start(mid, Lg, K, s, CAUSAL), K, CAUSAL)
-        if stop > j:
-            hi = mid
-        else:
-            lo = mid + 1
+        right = window_stop(mid, window_start(mid, Lg, K, s, CAUSAL), K, CAUSAL) <= j
+        active = lo < hi
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
     return lo
 
 
 @triton.jit
-def last_query_reaching(j, Lg, K, s, CAUSAL: tl.constexpr):
+def last_query_reaching(j, Lg, K, s, CAUSAL: tl.constexpr, STEPS: tl.constexpr):
     """Largest query whose window starts at or before key ``j`` (-1 if none); ``j`` a scalar."""
     lo = j * 0
     hi = Lg + j * 0
-    while lo < hi:  # first query whose start is past j
+    for _ in tl.static_range(STEPS):  # first query whose start is past j
         mid = (lo + hi) // 2
-        if window_start(mid, Lg, K, s, CAUSAL) > j:
-            hi = mid
-        else:
-            lo = mid + 1
+        right = window_start(mid, Lg, K, s, CAUSAL) <= j
+        active = lo < hi
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
     return lo - 1

@@ -1,0 +1,67 @@
+"""Per-kernel GPU time of one fused forward+backward (torch.profiler), for the problems named.
+
+    python benchmarks/fused_profile.py nat-s1-rpb 1d-32k [--autotune]
+
+Prints, per problem, the CUDA time of each kernel (fwd, dQ, dK/dV, dRPB, and the PyTorch ops
+around them) averaged over a few profiled iterations after warm-up: which part of the backward
+to work on next.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from ops import functional  # noqa: E402
+from ops.bench import standard_problems  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("problems", nargs="+")
+    ap.add_argument("--autotune", action="store_true")
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args()
+    if args.autotune:
+        from ops.fused import autotune
+
+        autotune.set_autotune(True)
+    known = {p.name: p for p in standard_problems()}
+    for name in args.problems:
+        p = known[name]
+        params = p.params
+        shape = (p.batch, *p.spatial, p.heads, p.dim)
+        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        rpb = torch.randn(p.heads, *params.rpb_shape, device="cuda", requires_grad=True) if p.rpb else None
+        d_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        fn = {1: functional.na1d, 2: functional.na2d, 3: functional.na3d}[params.rank]
+
+        def step():
+            out = fn(q, k, v, p.kernel_size, p.stride, p.dilation, p.causal, rpb=rpb, backend="fused")
+            out.backward(d_out)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                step()
+            torch.cuda.synchronize()
+        totals = {}
+        for evt in prof.key_averages():
+            if evt.device_type == torch.autograd.DeviceType.CUDA or getattr(evt, "self_device_time_total", 0):
+                t = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
+                if t:
+                    totals[evt.key] = totals.get(evt.key, 0) + t / args.iters / 1000
+        print(f"{name}: per fwd+bwd step, ms by kernel")
+        for key, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"  {ms:9.3f}  {key[:90]}")
+        del q, k, v, d_out
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
