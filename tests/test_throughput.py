@@ -235,6 +235,16 @@ def test_video_spec_runs():
     assert row["status"] == "ok" and row["na_gmacs"] > 0
 
 
+def test_stylenat_spec_runs():
+    """Generator images/s; its constant input is a parameter fed straight into a stage (MAC counting must
+    cope with that)."""
+    spec = model_spec("stylenat_32")
+    assert not spec.trainable
+    row = measure_throughput(spec.build, spec.make_input, name=spec.name, backend="naive", precision="fp32",
+                             batch_size=1, img_size=spec.img_size, device="cpu", settings=FAST, train=False)
+    assert row["status"] == "ok" and row["infer_gmacs"] > row["na_gmacs"] > 0 and row["infer_img_size"] == 32
+
+
 # ----------------------------------------------------------------------------------- plan / CLI
 
 

@@ -99,6 +99,11 @@ def count_macs(model: nn.Module, inputs) -> dict:
         inputs = (inputs,)
     was_training = model.training
     model.eval()
+    # no tensor may require grad: FlopCounterMode's module tracker hooks the autograd graph of module inputs and
+    # fails on a parameter passed straight into a submodule (StyleNAT's constant input)
+    grad_flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in grad_flags:
+        p.requires_grad_(False)
     _tally.macs = [0.0]
     try:
         with force_backend(model, COUNT_BACKEND), FlopCounterMode(display=False,
@@ -108,5 +113,7 @@ def count_macs(model: nn.Module, inputs) -> dict:
     finally:
         _tally.macs = None
         model.train(was_training)
+        for p, flag in grad_flags:
+            p.requires_grad_(flag)
     dense = counter.get_total_flops() / 2
     return {"macs": dense + na, "na_macs": na, "dense_macs": dense}
