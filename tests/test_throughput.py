@@ -220,6 +220,14 @@ def test_measure_row_nat_digits_and_backend_forcing():
         measure_throughput(spec.build, spec.make_input, name="x", backend="nope", device="cpu")
 
 
+def test_channels_last_row():
+    spec = model_spec("nat_digits", img_size=32)
+    row = measure_throughput(spec.build, spec.make_input, name="nat_digits", backend="naive", precision="bf16",
+                             batch_size=2, img_size=32, device="cpu", settings=FAST, channels_last=True,
+                             train=False)
+    assert row["status"] == "ok" and row["channels_last"] is True and row["infer_samples_per_sec"] > 0
+
+
 def test_force_backend_overrides_module_backends():
     model = nn.Sequential(ops.NeighborhoodAttention2D(8, 2, 3, backend="gemm"))
     seen = []
