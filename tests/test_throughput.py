@@ -256,6 +256,17 @@ def test_stylenat_spec_runs():
 # ----------------------------------------------------------------------------------- plan / CLI
 
 
+def test_core_imports_without_hydra():
+    """The GPU machine has no hydra-core: the CLI's modules must not need it (nor omegaconf / Lightning)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules.update(hydra=None, omegaconf=None, lightning=None); "
+            "import namodels.benchmark.throughput, namodels.benchmark.report")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
 def test_model_groups():
     assert model_groups(["a", "b", "/", "c"]) == [["a", "b"], ["c"]]
     assert model_groups(["a/c", "d"]) == [["a"], ["c", "d"]]
