@@ -14,7 +14,6 @@ import timm
 import torch
 
 import namodels  # noqa: F401  (registers the models)
-import ops
 from namodels.data.moving_digits import MovingDigits
 from namodels.data.video import VideoClips
 from namodels.models.video import VideoNAT, VideoRope

@@ -27,7 +27,7 @@ Layout: clips are ``[B, T, C, H, W]``; tokens are channels-last ``[B, T, h, w, D
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
@@ -200,7 +200,6 @@ class StreamState:
     caches: List[_KVRing]
     t: int = 0  # index of the next frame
     pooled_sum: Optional[torch.Tensor] = None  # running sum of per-frame mean features (classifier)
-    extra: dict = field(default_factory=dict)
 
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (the key/value rings and the pooled sum)."""
