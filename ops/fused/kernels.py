@@ -215,7 +215,7 @@ def na_fwd_kernel(
 @triton.jit
 def na_bwd_dq_kernel(
     Q, Kp, V, RPB, DO, LSE, DELTA, DQ,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt, sgb, sgt, sgh,
     HQ, GROUP, HEAD_DIM, VALUE_DIM, qk_scale, scale,
     L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2,
     CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
@@ -224,7 +224,7 @@ def na_bwd_dq_kernel(
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
 ):
-    # dQ and dO share q's strides (sqb, sqt, sqh) and dO's (sdb, sdt, sdh); lse and delta share (slb, slt).
+    # lse and delta share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -290,7 +290,8 @@ def na_bwd_dq_kernel(
         dq += tl.dot(ds.to(k.dtype), k)
 
     dq = dq * scale
-    tl.store(DQ + q_base + q_tok[:, None] * sqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+    g_base = b.to(tl.int64) * sgb + h * sgh
+    tl.store(DQ + g_base + q_tok[:, None] * sgt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=q_ok[:, None] & d_ok[None, :])
 
 
@@ -301,6 +302,7 @@ def na_bwd_dq_kernel(
 def na_bwd_dkdv_kernel(
     Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt,
+    skgb, skgt, skgh, svgb, svgt, svgh,
     HKV, GROUP, HEAD_DIM, VALUE_DIM, qk_scale, scale,
     L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NU0, NU1, NU2,
     CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
@@ -311,7 +313,7 @@ def na_bwd_dkdv_kernel(
     BISECT: tl.constexpr,
 ):
     # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
-    # dK/dV share k/v's strides.  GQA: the query heads of this kv head are summed in the same loop.
+    # dK/dV have their own strides (k/v may be strided views).  GQA: the query heads of this kv head are summed in the same loop.
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NU0, NU1, NU2, D0, D1, D2)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -394,9 +396,11 @@ def na_bwd_dkdv_kernel(
         dk += tl.dot(dst.to(q.dtype), q)
 
     dk = dk * scale
-    tl.store(DK + k_base + k_tok[:, None] * skt + offs_d[None, :], dk.to(DK.dtype.element_ty),
+    kg_base = b.to(tl.int64) * skgb + hk * skgh
+    vg_base = b.to(tl.int64) * svgb + hk * svgh
+    tl.store(DK + kg_base + k_tok[:, None] * skgt + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=k_ok[:, None] & d_ok[None, :])
-    tl.store(DV + v_base + k_tok[:, None] * svt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + vg_base + k_tok[:, None] * svgt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
              mask=k_ok[:, None] & dv_ok[None, :])
 
 

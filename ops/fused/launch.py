@@ -133,7 +133,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     has_rpb = table is not None
     rpb_arg = table if has_rpb else q4
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
-    idx64 = needs_int64(q4, k4, v4, do4, o4)
+    idx64 = needs_int64(q4, k4, v4, do4, o4)  # the gradients are contiguous: never larger offsets
 
     def run_dq(launch):
         window, programs = _window_args(params, launch.outer_tile)
@@ -141,7 +141,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
         for lo, hi in _batch_chunks(b, hq):
             kernels.na_bwd_dq_kernel[(programs, (hi - lo) * hq)](
                 q4[lo:hi], k4[lo:hi], v4[lo:hi], rpb_arg, do4[lo:hi], lse3[lo:hi], delta[lo:hi], dq[lo:hi],
-                *common, hq, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, **meta,
+                *common, *_strides(dq), hq, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, **meta,
             )
 
     def run_dkdv(launch):
@@ -152,7 +152,8 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
         for lo, hi in _batch_chunks(b, hkv):
             kernels.na_bwd_dkdv_kernel[(programs, (hi - lo) * hkv)](
                 q4[lo:hi], k4[lo:hi], v4[lo:hi], rpb_arg, do4[lo:hi], lse3[lo:hi], delta[lo:hi], dk[lo:hi],
-                dvv[lo:hi], *common, hkv, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, **meta,
+                dvv[lo:hi], *common, *_strides(dk), *_strides(dvv), hkv, hq // hkv, d, dv, scale * kernels.LOG2E,
+                scale, *window, **meta,
             )
 
     run_dq(autotune.pick("dq", q, k, v, params, has_rpb, run_dq))

@@ -53,8 +53,9 @@ def fused_na_backward(
 @fused_na_backward.register_fake
 def _backward_fake(q, k, v, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale,
                    deterministic):
-    drpb = torch.empty_like(rpb) if rpb is not None else q.new_empty((0,))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), drpb
+    # The real op returns contiguous gradients whatever the input strides (q/k/v are often views).
+    drpb = rpb.new_empty(rpb.shape) if rpb is not None else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drpb
 
 
 def _setup_context(ctx, inputs, output):
