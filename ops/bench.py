@@ -23,7 +23,6 @@ import argparse
 import csv
 import datetime
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field

@@ -58,6 +58,25 @@ def make_params(spatial: Sequence[int], kernel_size, stride=1, dilation=1, is_ca
     return NAParams(tuple(int(L) for L in spatial), kernel_size, stride, dilation, is_causal)
 
 
+def check_rpb(rpb, query: torch.Tensor, params: NAParams) -> None:
+    """Relative positional bias: ``[heads of query, 2K-1 per axis]``, floating point, non-causal only."""
+    if rpb is None:
+        return
+    if not isinstance(rpb, torch.Tensor):
+        raise ValueError(f"rpb: expected a tensor, got {type(rpb).__name__}")
+    if any(params.is_causal):
+        raise ValueError(
+            f"rpb: relative positional bias is not defined on causal axes (is_causal={params.is_causal})"
+        )
+    expected = (query.shape[-2], *params.rpb_shape)
+    if tuple(rpb.shape) != expected:
+        raise ValueError(f"rpb: expected shape {expected} [heads, 2K-1 per axis], got {tuple(rpb.shape)}")
+    if rpb.device != query.device:
+        raise ValueError(f"rpb: is on {rpb.device}, query on {query.device}")
+    if not rpb.is_floating_point():
+        raise ValueError(f"rpb: expected a floating-point tensor, got {rpb.dtype}")
+
+
 def _check_tensors(rank, query, key, value, rpb, params_args, additional_keys, additional_values):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -94,20 +113,7 @@ def _check_tensors(rank, query, key, value, rpb, params_args, additional_keys, a
 
     params = make_params(tuple(query.shape[1 : rank + 1]), *params_args)
 
-    if rpb is not None:
-        if not isinstance(rpb, torch.Tensor):
-            raise ValueError(f"rpb: expected a tensor, got {type(rpb).__name__}")
-        if any(params.is_causal):
-            raise ValueError(
-                f"rpb: relative positional bias is not defined on causal axes (is_causal={params.is_causal})"
-            )
-        expected = (query.shape[-2], *params.rpb_shape)
-        if tuple(rpb.shape) != expected:
-            raise ValueError(f"rpb: expected shape {expected} [heads, 2K-1 per axis], got {tuple(rpb.shape)}")
-        if rpb.device != query.device:
-            raise ValueError(f"rpb: is on {rpb.device}, query on {query.device}")
-        if not rpb.is_floating_point():
-            raise ValueError(f"rpb: expected a floating-point tensor, got {rpb.dtype}")
+    check_rpb(rpb, query, params)
 
     if (additional_keys is None) != (additional_values is None):
         raise ValueError("additional_keys: additional_keys and additional_values must be given together")

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from .functional import SUPPORTED_DTYPES, make_params
+from .functional import SUPPORTED_DTYPES, check_rpb, make_params
 from .gemm.autograd import AV, QK
 
 __all__ = ["na_qk", "na_av", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av", "na3d_av"]
@@ -92,20 +92,7 @@ def na_qk(rank: int, query, key, kernel_size, stride=1, dilation=1, is_causal=Fa
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"head dim: key head dim {key.shape[-1]} differs from query head dim {query.shape[-1]}")
     params = make_params(tuple(query.shape[1: rank + 1]), kernel_size, stride, dilation, is_causal)
-    if rpb is not None:
-        if not isinstance(rpb, torch.Tensor):
-            raise ValueError(f"rpb: expected a tensor, got {type(rpb).__name__}")
-        if any(params.is_causal):
-            raise ValueError(
-                f"rpb: relative positional bias is not defined on causal axes (is_causal={params.is_causal})"
-            )
-        expected = (query.shape[-2], *params.rpb_shape)
-        if tuple(rpb.shape) != expected:
-            raise ValueError(f"rpb: expected shape {expected} [heads, 2K-1 per axis], got {tuple(rpb.shape)}")
-        if rpb.device != query.device:
-            raise ValueError(f"rpb: is on {rpb.device}, query on {query.device}")
-        if not rpb.is_floating_point():
-            raise ValueError(f"rpb: expected a floating-point tensor, got {rpb.dtype}")
+    check_rpb(rpb, query, params)
     logits = _apply(QK, _flat(query, rank), _flat(key, rank), rpb, params)
     return logits.reshape(*query.shape[:-1], params.window_size)
 

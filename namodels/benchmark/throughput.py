@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import logging
-import math
 import os
 import platform
 import shlex

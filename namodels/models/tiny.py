@@ -16,10 +16,12 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from timm.layers import DropPath, Mlp, trunc_normal_
+from timm.layers import DropPath, Mlp
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 import ops
+
+from .layers import init_weights
 
 __all__ = ["TinyNAT"]
 
@@ -124,14 +126,7 @@ class TinyNAT(nn.Module):
         self.norm = nn.LayerNorm(self.num_features)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m):
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+        self.apply(init_weights)
 
     @torch.jit.ignore
     def no_weight_decay(self):

@@ -38,6 +38,8 @@ from torch import nn
 
 import ops
 
+from .layers import init_weights
+
 __all__ = ["VideoNAT", "StreamState", "VideoRope", "CausalVideoAttention"]
 
 
@@ -367,17 +369,7 @@ class VideoNAT(nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.num_classes = num_classes
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m):
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
+        self.apply(init_weights)
 
     # ---- timm conventions
 

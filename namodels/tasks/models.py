@@ -12,7 +12,6 @@ import logging
 import os
 
 import timm
-import torch
 from torch import nn
 
 log = logging.getLogger(__name__)

@@ -146,7 +146,7 @@ class NaiveBackend:
         return None  # any device, any dtype, every window rule
 
     def attention(self, q, k, v, params: NAParams, rpb, scale):
-        b, hq, hkv = q.shape[0], q.shape[-2], k.shape[-2]
+        b, hq = q.shape[0], q.shape[-2]
         n = params.num_tokens
         flat = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1])  # noqa: E731
         out, lse = _NaiveAttention.apply(flat(q), flat(k), flat(v), rpb, params, scale)
