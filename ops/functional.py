@@ -58,6 +58,17 @@ def make_params(spatial: Sequence[int], kernel_size, stride=1, dilation=1, is_ca
     return NAParams(tuple(int(L) for L in spatial), kernel_size, stride, dilation, is_causal)
 
 
+def check_heads_last(name: str, t, rank: int) -> None:
+    """A tensor in the heads-last layout ``[B, *spatial, H, D]`` of a ``rank``-D problem."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if t.dim() != rank + 3:
+        raise ValueError(
+            f"{name}: expected a {rank + 3}-D tensor [B, {', '.join('L%d' % a for a in range(rank))}, H, D] "
+            f"for {rank}-D attention, got shape {tuple(t.shape)}"
+        )
+
+
 def check_rpb(rpb, query: torch.Tensor, params: NAParams) -> None:
     """Relative positional bias: ``[heads of query, 2K-1 per axis]``, floating point, non-causal only."""
     if rpb is None:
@@ -79,13 +90,7 @@ def check_rpb(rpb, query: torch.Tensor, params: NAParams) -> None:
 
 def _check_tensors(rank, query, key, value, rpb, params_args, additional_keys, additional_values):
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
-        if t.dim() != rank + 3:
-            raise ValueError(
-                f"{name}: expected a {rank + 3}-D tensor [B, {', '.join('L%d' % a for a in range(rank))}, H, D] "
-                f"for {rank}-D attention, got shape {tuple(t.shape)}"
-            )
+        check_heads_last(name, t, rank)
     if query.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype: query dtype {query.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     for name, t in (("key", key), ("value", value)):

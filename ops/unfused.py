@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from .functional import SUPPORTED_DTYPES, check_rpb, make_params
+from .functional import SUPPORTED_DTYPES, check_heads_last, check_rpb, make_params
 from .gemm.autograd import AV, QK
 
 __all__ = ["na_qk", "na_av", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av", "na3d_av"]
@@ -46,13 +46,7 @@ __all__ = ["na_qk", "na_av", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_a
 def _check_pair(rank: int, first, second, names):
     """Shared checks of the (query, key) / (attn, value) pair: types, rank, dtype, device, shape."""
     for name, t in zip(names, (first, second)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
-        if t.dim() != rank + 3:
-            raise ValueError(
-                f"{name}: expected a {rank + 3}-D tensor [B, {', '.join('L%d' % a for a in range(rank))}, H, D] "
-                f"for {rank}-D attention, got shape {tuple(t.shape)}"
-            )
+        check_heads_last(name, t, rank)
     if first.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype: {names[0]} dtype {first.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     if second.dtype != first.dtype:
