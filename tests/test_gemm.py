@@ -39,17 +39,8 @@ needs_interpreter = pytest.mark.skipif(not (INTERPRET and _has_triton()),
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    """Every buffer the operators allocate with torch.empty starts as NaN: unwritten elements fail."""
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch_tiled.torch, "empty", poisoned_empty)
-    yield
+# Every buffer allocated with torch.empty starts as NaN: unwritten output elements fail.
+pytestmark = pytest.mark.usefixtures("poison_torch_empty")
 
 
 def _params(p):
@@ -240,7 +231,7 @@ INTERPRETER_CASES = {
 @pytest.fixture
 def force_triton(monkeypatch):
     monkeypatch.setattr(operators, "IMPL", "triton")
-    from ops.gemm import triton_kernels  # torch.empty is poisoned by the autouse fixture above
+    from ops.gemm import triton_kernels  # torch.empty is poisoned (pytestmark above)
 
     yield triton_kernels
 

@@ -10,17 +10,8 @@ from tests.backend_check import check_backend
 from tests.oracle import RandomProblem, random_problem
 
 
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    """Every buffer the backend allocates with torch.empty starts as NaN: unwritten elements fail."""
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(ops.naive.torch, "empty", poisoned_empty)
-    yield
+# Every buffer allocated with torch.empty starts as NaN: unwritten output elements fail.
+pytestmark = pytest.mark.usefixtures("poison_torch_empty")
 
 
 @pytest.mark.parametrize("seed", range(300))

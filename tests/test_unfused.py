@@ -14,22 +14,14 @@ if not torch.cuda.is_available():  # Triton kernels must be created in interpret
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import ops  # noqa: E402
-from ops.gemm import operators, torch_tiled  # noqa: E402
+from ops.gemm import operators  # noqa: E402
 from tests.oracle import (  # noqa: E402
     RandomProblem, _axis_keys, dense_mask_and_bias_index, oracle_attention, random_problem,
 )
 
 
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch_tiled.torch, "empty", poisoned_empty)
-    yield
+# Every buffer allocated with torch.empty starts as NaN: unwritten output elements fail.
+pytestmark = pytest.mark.usefixtures("poison_torch_empty")
 
 
 def oracle_slots(p: RandomProblem) -> torch.Tensor:

@@ -21,7 +21,6 @@ import random
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.data import Mixup, resolve_model_data_config
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
@@ -35,6 +34,7 @@ import ops
 
 from ..data.datamodule import epoch_seed
 from ..utils.checks import check_choice, check_range
+from .options import merged_options, plain
 from .models import create_model, export_weights
 
 log = logging.getLogger(__name__)
@@ -53,21 +53,6 @@ def batch_size(batch) -> int:
     return 0 if batch is None else int(batch[0].shape[0])
 
 
-def _plain(value):
-    """Hydra/OmegaConf containers -> dict/list, so checkpoints hold no pickled OmegaConf objects."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
-def _merged(name: str, defaults: dict, given) -> dict:
-    given = dict(_plain(given) or {})
-    unknown = set(given) - set(defaults)
-    if unknown:
-        raise ValueError(f"{name}: unknown keys {sorted(unknown)}; known: {sorted(defaults)}")
-    return {**defaults, **given}
-
-
 class ClassificationModule(pl.LightningModule):
     """Supervised image classification with any timm model (see the module docstring)."""
 
@@ -76,17 +61,17 @@ class ClassificationModule(pl.LightningModule):
                  ema: dict | None = None, compile: bool = False, seed: int = 0, data: dict | None = None):
         super().__init__()
         check_range("data.num_classes", num_classes, 1, integer=True)
-        model_cfg = dict(_plain(model))
-        opt = _merged("task.module.optimizer", DEFAULT_OPTIMIZER, optimizer)
-        sched = _merged("task.module.scheduler", DEFAULT_SCHEDULER, scheduler)
-        mix = _merged("task.module.mixup", DEFAULT_MIXUP, mixup)
-        ema_cfg = _merged("task.module.ema", DEFAULT_EMA, ema)
+        model_cfg = dict(plain(model))
+        opt = merged_options("task.module.optimizer", DEFAULT_OPTIMIZER, optimizer)
+        sched = merged_options("task.module.scheduler", DEFAULT_SCHEDULER, scheduler)
+        mix = merged_options("task.module.mixup", DEFAULT_MIXUP, mixup)
+        ema_cfg = merged_options("task.module.ema", DEFAULT_EMA, ema)
         self._check(opt, sched, mix, ema_cfg, label_smoothing)
         # Plain containers only: checkpoints stay loadable with torch.load(weights_only=True).
         self.save_hyperparameters(dict(
             model=model_cfg, num_classes=int(num_classes), optimizer=opt, scheduler=sched, mixup=mix,
             label_smoothing=float(label_smoothing), ema=ema_cfg, compile=bool(compile), seed=int(seed),
-            data=_plain(data),
+            data=plain(data),
         ))
         self.backend = model_cfg.get("backend")
         self.model = create_model(model_cfg, int(num_classes))

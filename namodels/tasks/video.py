@@ -21,7 +21,6 @@ import os
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 from torchmetrics import MeanMetric, MeanSquaredError
@@ -32,6 +31,7 @@ import ops
 
 from ..data.video import check_data_config
 from ..utils.checks import check_choice, check_range
+from .options import merged_options, plain
 from .models import create_model, export_weights
 
 log = logging.getLogger(__name__)
@@ -41,20 +41,6 @@ LOSSES = ("mse", "l1")
 DEFAULT_OPTIMIZER = dict(name="adamw", lr=1e-3, weight_decay=0.05, betas=(0.9, 0.999), eps=1e-8)
 DEFAULT_SCHEDULER = dict(warmup_steps=100, warmup_lr=1e-6, min_lr=1e-5)
 DEFAULT_ROLLOUT = dict(enabled=True, context=4)
-
-
-def _plain(value):
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
-def _merged(name: str, defaults: dict, given) -> dict:
-    given = dict(_plain(given) or {})
-    unknown = set(given) - set(defaults)
-    if unknown:
-        raise ValueError(f"{name}: unknown keys {sorted(unknown)}; known: {sorted(defaults)}")
-    return {**defaults, **given}
 
 
 def _frames(x: torch.Tensor) -> torch.Tensor:
@@ -79,12 +65,12 @@ class VideoTask(pl.LightningModule):
                  optimizer: dict | None = None, scheduler: dict | None = None, rollout: dict | None = None,
                  seed: int = 0):
         super().__init__()
-        model_cfg, data_cfg = dict(_plain(model)), check_data_config(_plain(data))
+        model_cfg, data_cfg = dict(plain(model)), check_data_config(plain(data))
         check_choice("task.module.objective", objective, OBJECTIVES)
         check_choice("task.module.loss", loss, LOSSES)
-        opt = _merged("task.module.optimizer", DEFAULT_OPTIMIZER, optimizer)
-        sched = _merged("task.module.scheduler", DEFAULT_SCHEDULER, scheduler)
-        roll = _merged("task.module.rollout", DEFAULT_ROLLOUT, rollout)
+        opt = merged_options("task.module.optimizer", DEFAULT_OPTIMIZER, optimizer)
+        sched = merged_options("task.module.scheduler", DEFAULT_SCHEDULER, scheduler)
+        roll = merged_options("task.module.rollout", DEFAULT_ROLLOUT, rollout)
         check_range("task.module.optimizer.lr", opt["lr"], 0, low_open=True)
         check_range("task.module.optimizer.weight_decay", opt["weight_decay"], 0)
         check_range("task.module.scheduler.warmup_steps", sched["warmup_steps"], 0, integer=True)
