@@ -5,7 +5,9 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_verify_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PYTHONPATH
+# the device has pytest (with plugins); add only what it lacks (hydra), never a second pytest
+python3 -c "import pytest" 2>/dev/null || { echo "no pytest on this machine"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/hydra*.whl .whl/omegaconf*.whl .whl/antlr4*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PYTHONPATH
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 T0=$(date +%s)
