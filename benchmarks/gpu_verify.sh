@@ -6,6 +6,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_verify_out}; mkdir -p "$OUT"
 # the device has pytest (with plugins); add only what it lacks (hydra), never a second pytest
+rm -rf /tmp/site  # a warm machine keeps what an earlier call installed
 python3 -c "import pytest" 2>/dev/null || { echo "no pytest on this machine"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/hydra*.whl .whl/omegaconf*.whl .whl/antlr4*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PYTHONPATH
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
