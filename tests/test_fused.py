@@ -172,7 +172,8 @@ def test_module_training_step_matches_naive():
         grads[backend] = (loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()})
     loss_n, g_n = grads["naive"]
     loss_f, g_f = grads["fused"]
-    assert torch.allclose(loss_f, loss_n, rtol=1e-5)
+    # compiled kernels multiply float32 in TF32 (like SDPA on Ampere+), the interpreter in full fp32
+    assert torch.allclose(loss_f, loss_n, rtol=1e-5 if INTERPRETED else 1e-3)
     for name in g_n:
         assert _rel_err(g_f[name], g_n[name]) < (1e-4 if INTERPRETED else 5e-3), name
 
