@@ -89,11 +89,16 @@ def _run_flex(q, k, v, score_mod, block_mask, scale, gqa):
 
 def _call(fn, q, k, v, score_mod, block_mask, scale, gqa):
     """flex_attention returning (out, lse) on every torch release that has it."""
+    # Inductor picks its "decoding" kernel for short queries (< 128 tokens) with GQA; NA queries are
+    # as many as keys, and on torch 2.11 that kernel found no valid config for some small problems
+    # (NoValidChoicesError, seen on an H100). The main kernel serves every NA problem.
+    options = {"kernel_options": {"FORCE_USE_FLEX_ATTENTION": True}} if q.device.type == "cuda" else {}
     if AuxRequest is not None:
         out, aux = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                      return_aux=AuxRequest(lse=True))
+                      return_aux=AuxRequest(lse=True), **options)
         return out, aux.lse
-    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True,
+              **options)
 
 
 def _run_flex_eager_cpu(q, k, v, score_mod, block_mask, scale, gqa):
