@@ -210,6 +210,32 @@ def na_fwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# Backward preprocess: delta = rowsum(dO * O) - dlse
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def na_bwd_delta_kernel(
+    O, DO, DLSE, DELTA, ROWS, N, H, VALUE_DIM,
+    sob, sot, soh, sdb, sdt, sdh,
+    HAS_DLSE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One float32 per (b, token, head) row; ``DELTA`` and ``DLSE`` are contiguous ``[B, N, H]``.
+    One pass over O and dO in their own dtype and strides (no float32 copies of them)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < ROWS
+    h = rows % H
+    t = ((rows // H) % N).to(tl.int64)
+    b = (rows // H // N).to(tl.int64)
+    offs = tl.arange(0, BLOCK_DV)
+    m = row_ok[:, None] & (offs < VALUE_DIM)[None, :]
+    o = tl.load(O + (b * sob + t * sot + h * soh)[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    do = tl.load(DO + (b * sdb + t * sdt + h * sdh)[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + rows, delta, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
 # Backward: dQ (loops over KV tiles like the forward)
 # ---------------------------------------------------------------------------------------------
 @triton.jit

@@ -121,11 +121,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     q4, k4, v4 = _tokens(q, n), _tokens(k, n), _tokens(v, n)
     o4, do4 = _tokens(out, n), _tokens(d_out, n)
     lse3 = lse.reshape(b, n, hq).float().contiguous()
-    # delta_i = sum_j P_ij dP_ij = rowsum(dO * O) - dlse_i: the lse gradient enters only here.
-    delta = (do4.float() * o4.float()).sum(-1)
-    if d_lse is not None:
-        delta = delta - d_lse.reshape(b, n, hq).float()
-    delta = delta.contiguous()
+    delta = _delta(o4, do4, d_lse)
     dq = _empty((b, n, hq, d), q.dtype, q.device)
     dk = _empty((b, n, hkv, d), k.dtype, k.device)
     dvv = _empty((b, n, hkv, dv), v.dtype, v.device)
@@ -164,6 +160,24 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
         drpb = drpb.reshape(rpb.shape).to(rpb.dtype)
     spatial = q.shape[1:-2]
     return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
+
+
+def _delta(o4, do4, d_lse):
+    """delta_i = sum_j P_ij dP_ij = rowsum(dO * O) - dlse_i (the lse gradient enters only here).
+
+    One small kernel instead of float32 copies of O and dO, a product and a reduction (about
+    0.8 ms of 1d-32k's backward on an H100 when done with PyTorch ops)."""
+    b, n, h, dv = o4.shape
+    delta = torch.empty((b, n, h), dtype=torch.float32, device=o4.device)
+    dlse = d_lse.reshape(b, n, h).float().contiguous() if d_lse is not None else delta
+    rows = b * n * h
+    block_dv = max(16, triton.next_power_of_2(dv))
+    block_rows = max(1, min(128, 8192 // block_dv))
+    kernels.na_bwd_delta_kernel[(triton.cdiv(rows, block_rows),)](
+        o4, do4, dlse, delta, rows, n, h, dv, *_strides(o4), *_strides(do4),
+        HAS_DLSE=d_lse is not None, BLOCK_ROWS=block_rows, BLOCK_DV=block_dv, num_warps=4,
+    )
+    return delta
 
 
 def _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v, idx64):
