@@ -39,12 +39,13 @@ class Config:
 
 # kernel -> list of (max head dim, default config); the first entry whose bound covers the head dim wins.
 DEFAULTS: dict[str, list[tuple[int, Config]]] = {
-    # Chosen from ptxas register reports (benchmarks/fused_compile_check.py): no spills on sm_90.
-    "fwd": [(64, Config(128, 64, 8, 3)), (128, Config(128, 64, 8, 3)), (256, Config(64, 32, 8, 2))],
-    "dq": [(64, Config(64, 64, 4, 2)), (128, Config(64, 64, 8, 2)), (256, Config(32, 32, 8, 1))],
+    # Winners of the tuner on an H100 (Triton 3.6, bf16; benchmarks/RESULTS.md, session 2): one
+    # warpgroup (4 warps) on 64-row tiles beat 8 warps on 64 or 128 rows for every kernel, although
+    # ptxas reports some spills for them at head dim 128.  Head dim 256 keeps small tiles.
+    "fwd": [(32, Config(32, 32, 4, 2)), (128, Config(64, 64, 4, 3)), (256, Config(64, 32, 8, 2))],
+    "dq": [(32, Config(64, 32, 4, 2)), (128, Config(64, 64, 4, 2)), (256, Config(32, 32, 8, 1))],
     # dkdv: outer = key/value tile, inner = query tile.
-    "dkdv": [(32, Config(64, 64, 4, 2)), (64, Config(64, 64, 8, 2)), (128, Config(64, 32, 8, 2)),
-             (256, Config(32, 32, 8, 1))],
+    "dkdv": [(32, Config(64, 32, 4, 2)), (128, Config(64, 64, 4, 2)), (256, Config(32, 32, 8, 1))],
     "drpb": [(256, Config(64, 1, 4, 1))],
 }
 
