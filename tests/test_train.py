@@ -21,7 +21,7 @@ import namodels  # noqa: F401
 from namodels.tasks.classification import ClassificationModule
 from namodels.tasks.evaluate import COLUMNS, accuracy
 from namodels.tasks.models import create_model
-from namodels.tasks.runner import check_stage, fit
+from namodels.tasks.runner import check_stage, check_task_inputs, fit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -112,8 +112,18 @@ def test_task_configs_compose_with_their_script(task):
     cfg = compose_cfg("train" if stage == "fit" else "eval", overrides + [f"task={task}"])
     _check_targets(OmegaConf.to_container(cfg, resolve=True))
     check_stage(cfg, stage, "x")
+    check_task_inputs(cfg)  # the task's own recipe provides what it requires
     with pytest.raises(ValueError, match="task: task=.* is a .* task"):
         check_stage(cfg, "eval" if stage == "fit" else "fit", "x")
+
+
+@pytest.mark.parametrize("task, recipe", [("gan", "stylenat_skimage"), ("video", "video_moving_digits")])
+def test_task_without_its_recipe_names_the_fix(task, recipe):
+    """`train.py task=gan` alone keeps the default digits model and data: a clear error, not a deep
+    interpolation failure."""
+    cfg = compose_cfg("train", [f"task={task}"])
+    with pytest.raises(ValueError, match=f"task: task='{task}' needs .*experiment={recipe}"):
+        check_task_inputs(cfg)
 
 
 @pytest.mark.parametrize("task", [t for t in _names("task")

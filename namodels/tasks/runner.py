@@ -41,6 +41,20 @@ def check_stage(cfg: DictConfig, stage: str, script: str) -> None:
                          f"{script} runs {stage!r} tasks")
 
 
+def check_task_inputs(cfg: DictConfig) -> None:
+    """A task lists, under ``requires``, the config keys it reads from the model and data groups.
+    Fail early with the fix (a matching experiment) instead of deep in interpolation or instantiation,
+    e.g. ``train.py task=gan`` alone keeps the default digits classifier and data."""
+    required = cfg.task.get("requires") or []
+    missing = [key for key in required if OmegaConf.select(cfg, key, default=None, throw_on_missing=False) is None]
+    if missing:
+        hint = cfg.task.get("example")
+        raise ValueError(
+            f"task: task={cfg.task.get('name')!r} needs {', '.join(missing)}, which model="
+            f"{OmegaConf.select(cfg, 'model.name', default='?')!r} / data={OmegaConf.select(cfg, 'data.name', default='?')!r}"
+            f" do not define" + (f"; use a matching recipe, e.g. {hint}" if hint else ""))
+
+
 def instantiate_group(group: DictConfig | None) -> list:
     """Instantiates every entry of a dict-of-configs group (callbacks, logger); ``null`` entries are off."""
     if not group:
@@ -88,6 +102,7 @@ def fit(cfg: DictConfig) -> dict:
     import namodels  # noqa: F401  registers the project's timm models
 
     check_stage(cfg, "fit", "train.py")
+    check_task_inputs(cfg)
     route_lightning_logs()
     started = time.time()
     if cfg.get("threads"):
@@ -131,15 +146,21 @@ def fit(cfg: DictConfig) -> dict:
     return summary
 
 
+def _format_metric(name: str, value: float) -> str:
+    """Accuracy-like metrics (``top1``, ``top5``, ...) are percentages; losses and errors are not."""
+    return f"{value:.2f}%" if "/top" in name else f"{value:.4g}"
+
+
 def print_summary(summary: dict) -> None:
     metrics = summary["metrics"]
     lines = [f"finished {summary['task']} of {summary['model']} on {summary['data']}: "
              f"{summary['epochs']} epochs, {summary['global_step']} steps, {summary['seconds']} s"]
-    for key in ("val/top1", "val/top5", "val_ema/top1", "val_ema/top5"):
-        if key in metrics:
-            lines.append(f"  final {key:<13} {metrics[key]:.2f}%")
+    for key in sorted(k for k in metrics if k.startswith(("val/", "val_ema/"))):
+        lines.append(f"  final {key:<13} {_format_metric(key, metrics[key])}")
     if summary.get("best_score") is not None:
-        lines.append(f"  best {summary['monitor']} {summary['best_score']:.2f}%  checkpoint: {summary['best_checkpoint']}")
+        monitor = summary["monitor"]
+        lines.append(f"  best {monitor} {_format_metric(monitor, summary['best_score'])}  "
+                     f"checkpoint: {summary['best_checkpoint']}")
     if summary.get("last_checkpoint"):
         lines.append(f"  last checkpoint: {summary['last_checkpoint']}")
     for path in summary.get("exported", []):
