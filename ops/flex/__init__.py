@@ -66,12 +66,50 @@ def make_rpb_score_mod(params: NAParams, rpb_flat: torch.Tensor):
 
 
 @functools.lru_cache(maxsize=32)
+def group_order(params: NAParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Token order that makes dilation groups contiguous, and its inverse; ``None`` without dilation.
+
+    With dilation d a window spans d*K tokens per axis, so in row-major order nearly every 128-token
+    block pair holds some admitted pair and flex's block mask is almost dense (dinat-s1: 56x56, K=7,
+    d=8 measured 85.9 ms against 0.29 ms fused on an H100). A query only attends keys of its own group
+    (i % d equal on every axis), so ordering tokens by (group, coordinate inside the group) turns the
+    problem into an undilated one per group, and the block mask sparse again.
+    """
+    if all(d == 1 for d in params.dilation):
+        return None
+    grids = torch.meshgrid(*(torch.arange(L, device=device) for L in params.spatial), indexing="ij")
+    key = torch.zeros(params.spatial, dtype=torch.int64, device=device)
+    for axis_index, d in zip(grids, params.dilation):  # group ids first (most significant) ...
+        key = key * d + axis_index % d
+    for axis_index, L, d in zip(grids, params.spatial, params.dilation):  # ... then in-group coordinates
+        key = key * -(-L // d) + axis_index // d
+    order = torch.argsort(key.flatten(), stable=True)
+    return order, torch.argsort(order)
+
+
+def _mask_in_group_order(mask_mod, order):
+    """A mask_mod written for row-major token indices, taking group-order indices instead."""
+    if order is None:
+        return mask_mod
+    return lambda b, h, q_idx, kv_idx: mask_mod(b, h, order[q_idx], order[kv_idx])
+
+
+def _score_in_group_order(score_mod, order):
+    """A score_mod written for row-major token indices, taking group-order indices instead."""
+    if order is None:
+        return score_mod
+    return lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h, order[q_idx], order[kv_idx])
+
+
+@functools.lru_cache(maxsize=32)
 def _block_mask(params: NAParams, device: torch.device):
     n = params.num_tokens
     # Compiling the mask construction avoids materialising the [N, N] mask on large problems.
     compile_mask = device.type == "cuda" and n > 4096
+    ordering = group_order(params, device)
+    mask_mod = _mask_in_group_order(make_mask_mod(params), None if ordering is None else ordering[0])
     # One mask_mod object per problem (cached with the block mask) so compiled code is reused.
-    return create_block_mask(make_mask_mod(params), None, None, n, n, device=device, BLOCK_SIZE=BLOCK_SIZE,
+    return create_block_mask(mask_mod, None, None, n, n, device=device, BLOCK_SIZE=BLOCK_SIZE,
                              _compile=compile_mask)
 
 
@@ -139,12 +177,18 @@ class FlexBackend:
         b, hq, hkv = q.shape[0], q.shape[-2], k.shape[-2]
         n = params.num_tokens
         to_bhnd = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1]).transpose(1, 2)  # noqa: E731
+        ordering = group_order(params, q.device)
+        order, inverse = ordering if ordering is not None else (None, None)
         score_mod = None
         if rpb is not None:
-            score_mod = make_rpb_score_mod(params, rpb.reshape(rpb.shape[0], -1))
-        out, lse = _run_flex(to_bhnd(q), to_bhnd(k), to_bhnd(v), score_mod, _block_mask(params, q.device), scale,
-                             hq != hkv)
-        spatial = q.shape[1:-2]
+            score_mod = _score_in_group_order(make_rpb_score_mod(params, rpb.reshape(rpb.shape[0], -1)), order)
+        q, k, v = to_bhnd(q), to_bhnd(k), to_bhnd(v)
+        if order is not None:  # tokens in dilation-group order (see group_order); undone on the outputs
+            q, k, v = q[:, :, order], k[:, :, order], v[:, :, order]
+        out, lse = _run_flex(q, k, v, score_mod, _block_mask(params, q.device), scale, hq != hkv)
+        if order is not None:
+            out, lse = out[:, :, inverse], lse[:, :, inverse]
+        spatial = params.spatial
         out = out.transpose(1, 2).reshape(b, *spatial, hq, v.shape[-1])
         lse = lse.transpose(1, 2).reshape(b, *spatial, hq)
         return out, lse
