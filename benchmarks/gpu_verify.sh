@@ -15,10 +15,11 @@ T0=$(date +%s)
 run() { local name=$1 limit=$2; shift 2; echo "== $name ($(( $(date +%s) - T0 )) s)"
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"; tail -6 "$OUT/$name.txt"; }
 PT="python3 -m pytest -q -p no:cacheprovider -rA --durations=5"
+# the device has pytest-xdist: Triton / Inductor compilation per test parallelises over its CPU cores
+python3 -c "import xdist" 2>/dev/null && XDIST="-n ${XDIST_WORKERS:-8}" || XDIST=""
 [ -z "$SKIP_FUSED" ] && run fused_gpu_tests 240 $PT -m gpu tests/test_fused.py tests/test_gpu_training.py -s
 [ -z "$SKIP_FUSED" ] && run fused_module_step 60 $PT -m "not slow" tests/test_fused.py -k "module_training_step or random"
-run gemm_gpu_tests 150 $PT -v --tb=short -m gpu tests/test_gemm.py tests/test_unfused.py
-# flex compiles one kernel per problem: a sample of the seeds fits the call
-run flex_gpu_tests 200 $PT -v --tb=short -m gpu tests/test_flex.py -k "${FLEX_SEEDS:-cuda}"
+run gemm_gpu_tests 200 $PT $XDIST --tb=short -m gpu tests/test_gemm.py tests/test_unfused.py
+run flex_gpu_tests 200 $PT $XDIST --tb=short -m gpu tests/test_flex.py
 [ $# -gt 0 ] && run fused_profile 120 python3 benchmarks/fused_profile.py "$@"
 echo "total $(( $(date +%s) - T0 )) s"
