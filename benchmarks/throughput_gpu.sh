@@ -8,6 +8,10 @@ OUT=${1:?usage: throughput_gpu.sh OUT_DIR [TOTAL_SECONDS]}
 TOTAL=${2:-345}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# Continue an earlier call's table: RESUME_FROM=<its rows.jsonl> (carried into the device tree);
+# rows already there are skipped, so several calls fill one table.
+RESUME=""
+if [ -n "${RESUME_FROM:-}" ]; then cp "$RESUME_FROM" "$OUT/rows.jsonl" && RESUME="--resume"; fi
 T0=$(date +%s)
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch,triton,timm,sys;print('torch',torch.__version__,'triton',triton.__version__,'timm',timm.__version__,'python',sys.version.split()[0])"
@@ -18,7 +22,7 @@ export NAMODELS_BENCH_DEADLINE=$((T0 + TOTAL * 68 / 100))
 timeout $((TOTAL * 85 / 100)) python3 -m namodels.benchmark.throughput \
   --models nat_mini dinat_mini nat_tiny swin_tiny_patch4_window7_224 convnext_tiny / \
            dinat_tiny nat_small dinat_small nat_base dinat_base dinat_large \
-  --backends fused naive gemm sdpa --precisions bf16 fp32 $COMMON --no-chart --out "$OUT" > "$OUT/log1.txt" 2>&1
+  --backends fused naive gemm sdpa --precisions bf16 fp32 $COMMON --no-chart --out "$OUT" $RESUME > "$OUT/log1.txt" 2>&1
 # 2) flex on the minis and NAT-Tiny with the time left
 export NAMODELS_BENCH_DEADLINE=$((T0 + TOTAL - 15))
 LEFT=$((T0 + TOTAL - $(date +%s)))
