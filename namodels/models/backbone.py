@@ -10,12 +10,14 @@ Both are hierarchical channels-last backbones: stem -> 4 stages (blocks, then a 
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from timm.models import checkpoint_seq
 from timm.models._features import feature_take_indices  # not re-exported by timm.models in 1.0.x
 from torch import nn
+
+from .layers import NATBlock, stage_dilations
 
 GLOBAL_POOLS = ("avg", "")
 
@@ -36,6 +38,25 @@ class NAStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.downsample(self.forward_blocks(x))
+
+
+def build_stages(embed_dim: int, depths: Sequence[int], num_heads: Sequence[int], kernel_size: int, dilations,
+                 downsampler: Callable[[int], nn.Module], drop_path_rate: float,
+                 **block_kwargs) -> Tuple[List[int], nn.ModuleList]:
+    """Stage widths (doubling from ``embed_dim``) and the stages: ``NATBlock``s with stochastic depth
+    rising linearly over all blocks; every stage but the last ends in ``downsampler(width)``."""
+    if len(depths) != len(num_heads):
+        raise ValueError(f"num_heads: expected one entry per stage ({len(depths)}), got {list(num_heads)}")
+    dilations = stage_dilations(depths, dilations)
+    dims = [int(embed_dim * 2 ** i) for i in range(len(depths))]
+    drop_path = torch.linspace(0, drop_path_rate, sum(depths), device="cpu").tolist()
+    stages = []
+    for i, depth in enumerate(depths):
+        first = sum(depths[:i])
+        blocks = [NATBlock(dims[i], num_heads[i], kernel_size, dilation=dilations[i][j], drop_path=drop_path[first + j],
+                           **block_kwargs) for j in range(depth)]
+        stages.append(NAStage(blocks, downsampler(dims[i]) if i < len(depths) - 1 else None))
+    return dims, nn.ModuleList(stages)
 
 
 class NABackbone(nn.Module):

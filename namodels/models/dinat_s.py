@@ -17,8 +17,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
-from .backbone import NABackbone, NAStage
-from .layers import NATBlock, init_weights, stage_dilations
+from .backbone import NABackbone, build_stages
+from .layers import init_weights
 from .nat import clean_state_dict, dilated
 
 __all__ = ["DiNAT_s", "checkpoint_filter_fn"]
@@ -87,31 +87,15 @@ class DiNAT_s(NABackbone):
         backend: str | None = None,
     ):
         super().__init__()
-        if len(depths) != len(num_heads):
-            raise ValueError(f"num_heads: expected one entry per stage ({len(depths)}), got {list(num_heads)}")
-        dilations = stage_dilations(depths, dilations)
-        num_stages = len(depths)
-        dims = [int(embed_dim * 2 ** i) for i in range(num_stages)]
         self.in_chans = in_chans
-        self.num_features = dims[-1]
         self.grad_checkpointing = False
-
-        self.patch_embed = PatchEmbed(in_chans, embed_dim, patch_size)
+        self.patch_embed = PatchEmbed(in_chans, embed_dim, patch_size)  # built first: keeps the seeded init order
         self.pos_drop = nn.Dropout(pos_drop_rate)
-        dpr = torch.linspace(0, drop_path_rate, sum(depths), device="cpu").tolist()
-        layers = []
-        for i in range(num_stages):
-            first = sum(depths[:i])
-            blocks = [
-                NATBlock(
-                    dims[i], num_heads[i], kernel_size, dilation=dilations[i][j], mlp_ratio=mlp_ratio,
-                    qkv_bias=qkv_bias, proj_drop=proj_drop_rate, attn_drop=attn_drop_rate,
-                    drop_path=dpr[first + j], dilation_mode=dilation_mode, backend=backend,
-                )
-                for j in range(depths[i])
-            ]
-            layers.append(NAStage(blocks, PatchMerging(dims[i]) if i < num_stages - 1 else None))
-        self.layers = nn.ModuleList(layers)
+        dims, self.layers = build_stages(
+            embed_dim, depths, num_heads, kernel_size, dilations, PatchMerging, drop_path_rate, mlp_ratio=mlp_ratio,
+            qkv_bias=qkv_bias, proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, dilation_mode=dilation_mode,
+            backend=backend)
+        self.num_features = dims[-1]
         self.norm = nn.LayerNorm(self.num_features)
         self._build_feature_info(dims)
         self._init_head(num_classes, global_pool, drop_rate)
