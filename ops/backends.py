@@ -41,6 +41,17 @@ PREFERENCE: tuple[str, ...] = ("fused", "gemm", "flex", "naive")
 _state = threading.local()
 
 
+def run_on_token_rows(apply, q, k, v, rpb, params: NAParams, scale: float):
+    """Runs ``apply(q, k, v, rpb, params, scale) -> (out, lse)`` on ``[B, N, H, D]`` views of
+    heads-last ``[B, *spatial, H, D]`` inputs and gives (out, lse) their spatial shape back: the
+    layout glue of the backends whose kernels index flat token rows."""
+    b, hq, n = q.shape[0], q.shape[-2], params.num_tokens
+    flat = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1])  # noqa: E731
+    out, lse = apply(flat(q), flat(k), flat(v), rpb, params, scale)
+    spatial = q.shape[1:-2]
+    return out.reshape(b, *spatial, hq, v.shape[-1]), lse.reshape(b, *spatial, hq)
+
+
 @dataclass(frozen=True)
 class Problem:
     """What a backend needs to decide whether it can run."""

@@ -88,21 +88,27 @@ def check_rpb(rpb, query: torch.Tensor, params: NAParams) -> None:
         raise ValueError(f"rpb: expected a floating-point tensor, got {rpb.dtype}")
 
 
-def _check_tensors(rank, query, key, value, rpb, params_args, additional_keys, additional_values):
-    for name, t in (("query", query), ("key", key), ("value", value)):
+def check_tensor_pair(rank: int, first, second, names) -> None:
+    """Checks shared by every pair of tensors the ops take together ((query, key), (query, value),
+    (attn, value)): heads-last layout, a supported dtype, same dtype, device and batch/spatial shape."""
+    for name, t in zip(names, (first, second)):
         check_heads_last(name, t, rank)
-    if query.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype: query dtype {query.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-    for name, t in (("key", key), ("value", value)):
-        if t.dtype != query.dtype:
-            raise ValueError(f"dtype: {name} dtype {t.dtype} differs from query dtype {query.dtype}")
-        if t.device != query.device:
-            raise ValueError(f"device: {name} is on {t.device}, query on {query.device}")
-        if t.shape[: rank + 1] != query.shape[: rank + 1]:
-            raise ValueError(
-                f"spatial shape: {name} batch/spatial shape {tuple(t.shape[:rank + 1])} differs from "
-                f"query's {tuple(query.shape[:rank + 1])}"
-            )
+    if first.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype: {names[0]} dtype {first.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if second.dtype != first.dtype:
+        raise ValueError(f"dtype: {names[1]} dtype {second.dtype} differs from {names[0]} dtype {first.dtype}")
+    if second.device != first.device:
+        raise ValueError(f"device: {names[1]} is on {second.device}, {names[0]} on {first.device}")
+    if second.shape[: rank + 1] != first.shape[: rank + 1]:
+        raise ValueError(
+            f"spatial shape: {names[1]} batch/spatial shape {tuple(second.shape[:rank + 1])} differs from "
+            f"{names[0]}'s {tuple(first.shape[:rank + 1])}"
+        )
+
+
+def _check_tensors(rank, query, key, value, rpb, params_args, additional_keys, additional_values):
+    check_tensor_pair(rank, query, key, ("query", "key"))
+    check_tensor_pair(rank, query, value, ("query", "value"))
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"head dim: key head dim {key.shape[-1]} differs from query head dim {query.shape[-1]}")
     if query.shape[-1] < 1 or value.shape[-1] < 1:

@@ -37,27 +37,15 @@ import math
 
 import torch
 
-from .functional import SUPPORTED_DTYPES, check_heads_last, check_rpb, make_params
+from .functional import check_rpb, check_tensor_pair, make_params
 from .gemm.autograd import AV, QK
 
 __all__ = ["na_qk", "na_av", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av", "na3d_av"]
 
 
 def _check_pair(rank: int, first, second, names):
-    """Shared checks of the (query, key) / (attn, value) pair: types, rank, dtype, device, shape."""
-    for name, t in zip(names, (first, second)):
-        check_heads_last(name, t, rank)
-    if first.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype: {names[0]} dtype {first.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-    if second.dtype != first.dtype:
-        raise ValueError(f"dtype: {names[1]} dtype {second.dtype} differs from {names[0]} dtype {first.dtype}")
-    if second.device != first.device:
-        raise ValueError(f"device: {names[1]} is on {second.device}, {names[0]} on {first.device}")
-    if second.shape[: rank + 1] != first.shape[: rank + 1]:
-        raise ValueError(
-            f"spatial shape: {names[1]} batch/spatial shape {tuple(second.shape[:rank + 1])} differs from "
-            f"{names[0]}'s {tuple(first.shape[:rank + 1])}"
-        )
+    """Shared checks of the (query, key) / (attn, value) pair, plus: no empty tensors."""
+    check_tensor_pair(rank, first, second, names)
     if any(n == 0 for n in first.shape) or any(n == 0 for n in second.shape):
         raise ValueError(f"{names[0]}: empty tensors of shapes {tuple(first.shape)}, {tuple(second.shape)}")
     if first.shape[-2] % second.shape[-2] != 0:

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from ..backends import run_on_token_rows
 from ..window import NAParams
 from . import operators
 from .autograd import AV, QK, Attention
@@ -62,12 +63,7 @@ class GemmBackend:
 
     @torch.compiler.disable
     def attention(self, q, k, v, params: NAParams, rpb, scale):
-        b, hq = q.shape[0], q.shape[-2]
-        n = params.num_tokens
-        flat = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1])  # noqa: E731
-        out, lse = Attention.apply(flat(q), flat(k), flat(v), rpb, params, scale)
-        spatial = q.shape[1:-2]
-        return out.reshape(b, *spatial, hq, v.shape[-1]), lse.reshape(b, *spatial, hq)
+        return run_on_token_rows(Attention.apply, q, k, v, rpb, params, scale)
 
 
 BACKEND = GemmBackend()

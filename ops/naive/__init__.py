@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends import run_on_token_rows
 from ..window import NAParams, neighbor_table
 
 # Upper bound on the bytes of one chunk's gathered keys (values are the same order of size).
@@ -146,12 +147,7 @@ class NaiveBackend:
         return None  # any device, any dtype, every window rule
 
     def attention(self, q, k, v, params: NAParams, rpb, scale):
-        b, hq = q.shape[0], q.shape[-2]
-        n = params.num_tokens
-        flat = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1])  # noqa: E731
-        out, lse = _NaiveAttention.apply(flat(q), flat(k), flat(v), rpb, params, scale)
-        spatial = q.shape[1:-2]
-        return out.reshape(b, *spatial, hq, v.shape[-1]), lse.reshape(b, *spatial, hq)
+        return run_on_token_rows(_NaiveAttention.apply, q, k, v, rpb, params, scale)
 
 
 BACKEND = NaiveBackend()
