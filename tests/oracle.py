@@ -112,6 +112,15 @@ class RandomProblem:
         return q, k, v, rpb
 
 
+def random_axis(rng: random.Random, max_length: int = 40) -> tuple[int, int, int, int, bool]:
+    """One valid axis ``(L, K, s, d, causal)``: any length, dilation, kernel and stride DESIGN.md allows."""
+    L = rng.randint(1, max_length)
+    d = rng.randint(1, L)
+    K = rng.randint(1, L // d)
+    s = rng.randint(1, K)
+    return L, K, s, d, rng.random() < 0.5
+
+
 def random_problem(rng: random.Random, rank: int | None = None, max_tokens: int = 96, allow_rpb=True,
                    allow_causal=True, max_dim=8) -> RandomProblem:
     """Draws a valid problem: random spatial sizes, K from 1 to L, stride, dilation, causal, GQA, RPB."""

@@ -21,7 +21,7 @@ from ops.functional import make_params  # noqa: E402
 from ops.gemm import operators, tiles, torch_tiled  # noqa: E402
 from ops.window import axis_window, neighbor_table  # noqa: E402
 from tests.backend_check import check_backend  # noqa: E402
-from tests.oracle import RandomProblem, random_problem  # noqa: E402
+from tests.oracle import RandomProblem, random_axis, random_problem  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -76,11 +76,7 @@ FIXED = {
 @pytest.mark.parametrize("seed", range(40))
 def test_axis_tables_cover_windows_and_invert_exactly(seed):
     rng = random.Random(seed)
-    L = rng.randint(1, 40)
-    d = rng.randint(1, L)
-    K = rng.randint(1, L // d)
-    s = rng.randint(1, K)
-    causal = rng.random() < 0.5
+    L, K, s, d, causal = random_axis(rng)
     tile = rng.choice([1, 2, 4, 8])
     i = torch.arange(L)
     g, ig, start, stop = axis_window(i, L, K, s, d, causal)

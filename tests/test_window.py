@@ -6,17 +6,13 @@ import torch
 
 from ops.functional import make_params
 from ops.window import axis_admits, keys_per_query, neighbor_table
-from tests.oracle import _axis_keys, dense_mask_and_bias_index, random_problem
+from tests.oracle import _axis_keys, dense_mask_and_bias_index, random_axis, random_problem
 
 
 @pytest.mark.parametrize("seed", range(200))
 def test_axis_rules_match_design(seed):
     rng = random.Random(seed)
-    L = rng.randint(1, 40)
-    d = rng.randint(1, L)
-    K = rng.randint(1, L // d)
-    s = rng.randint(1, K)
-    causal = rng.random() < 0.5
+    L, K, s, d, causal = random_axis(rng)
     i = torch.arange(L)[:, None]
     j = torch.arange(L)[None, :]
     got = axis_admits(i, j, L, K, s, d, causal)

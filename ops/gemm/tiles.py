@@ -146,6 +146,20 @@ def kernel_tables(params3: NAParams, tile: tuple[int, int, int], device: torch.d
     )
 
 
+def _grow_round_robin(caps: list[int], target: int) -> list[int]:
+    """A 3-axis tile grown by doubling, last (contiguous) axis first, round-robin, until its size
+    reaches ``target`` or every axis reaches its cap (a doubling past a cap stops at the cap)."""
+    tile = [1, 1, 1]
+    grown = True
+    while math.prod(tile) < target and grown:
+        grown = False
+        for a in (2, 1, 0):
+            if tile[a] < caps[a] and math.prod(tile) < target:
+                tile[a] = min(caps[a], tile[a] * 2)
+                grown = True
+    return tile
+
+
 def kernel_tile_shape(params3: NAParams, target: int = 64, minimum: int = 16) -> tuple[int, int, int]:
     """Power-of-two query tile per axis with ``prod == target`` where the group lengths allow.
 
@@ -153,15 +167,8 @@ def kernel_tile_shape(params3: NAParams, target: int = 64, minimum: int = 16) ->
     the longest dilation group; a tile below ``minimum`` positions (``tl.dot`` needs 16) is padded
     on the last axis (those rows are masked).
     """
-    caps = [1 << max(0, math.ceil(math.log2(-(-L // d)))) for L, _, _, d, _ in params3.axes()]
-    tile = [1, 1, 1]
-    grown = True
-    while math.prod(tile) < target and grown:
-        grown = False
-        for a in (2, 1, 0):
-            if tile[a] < caps[a] and math.prod(tile) < target:
-                tile[a] *= 2
-                grown = True
+    tile = _grow_round_robin([1 << max(0, math.ceil(math.log2(-(-L // d)))) for L, _, _, d, _ in params3.axes()],
+                             target)
     while math.prod(tile) < minimum:
         tile[2] *= 2
     return tuple(tile)
@@ -315,13 +322,5 @@ def torch_tiles(params3: NAParams, tile: tuple[int, int, int]) -> TorchTiles:
 
 def torch_tile_shape(params3: NAParams, target: int = 64) -> tuple[int, int, int]:
     """Query tile for the PyTorch path: ~``target`` queries, no axis longer than its dilation groups."""
-    caps = [-(-L // d) for L, _, _, d, _ in params3.axes()]
-    tile = [1, 1, 1]
-    grown = True
-    while math.prod(tile) < target and grown:
-        grown = False
-        for a in (2, 1, 0):
-            if tile[a] < caps[a] and math.prod(tile) < target:
-                tile[a] = min(caps[a], tile[a] * 2)
-                grown = True
+    tile = _grow_round_robin([-(-L // d) for L, _, _, d, _ in params3.axes()], target)
     return tuple(tile)
