@@ -36,6 +36,8 @@ from torch import nn
 
 import ops
 
+from .layers import init_weights
+
 __all__ = [
     "StyleNATGenerator",
     "StyleNATDiscriminator",
@@ -461,16 +463,10 @@ class StyleNATGenerator(nn.Module):
 
     @staticmethod
     def _init_weights(m):
-        # The release's init: trunc-normal(0.02) linears, LayerNorm 1/0, xavier-normal(0.02) convs.
-        # Equalized-lr layers keep their N(0, 1) / lr_mul weights.
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Conv2d):
+        # The release's init: NAT's (trunc-normal(0.02) linears, LayerNorm 1/0) plus xavier-normal(0.02)
+        # convs. Equalized-lr layers keep their N(0, 1) / lr_mul weights.
+        init_weights(m)
+        if isinstance(m, nn.Conv2d):
             nn.init.xavier_normal_(m.weight, gain=0.02)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
