@@ -89,6 +89,29 @@ def _rpb_table(rpb, heads):
     return rpb.detach().reshape(heads, -1).float().contiguous() if rpb is not None else None
 
 
+# Launch plans: everything a launch needs besides the tensors, per (configuration, shapes, strides).
+# Eager models call the same few problems over and over, and at small maps (NAT's 14x14 stage) the
+# kernels run for less time than rebuilding these arguments took (host-bound; RESULTS.md, session 3).
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _plan(key: tuple, build):
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = build()
+    return plan
+
+
+def _launch_chunks(kernel, programs, heads, batch, tensors, scalars, meta):
+    """Launches ``kernel`` over batch chunks whose B*H fits the grid (one launch in the common case)."""
+    chunks = _batch_chunks(batch, heads)
+    if len(chunks) == 1:
+        kernel[(programs, batch * heads)](*tensors, *scalars, **meta)
+        return
+    for lo, hi in chunks:
+        kernel[(programs, (hi - lo) * heads)](*(t[lo:hi] if t.dim() > 2 else t for t in tensors), *scalars, **meta)
+
+
 def forward(q, k, v, rpb, params: NAParams, scale: float):
     """Returns ``out [B, *spatial, Hq, Dv]`` (input dtype) and ``lse [B, *spatial, Hq]`` (float32)."""
     b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
@@ -97,19 +120,25 @@ def forward(q, k, v, rpb, params: NAParams, scale: float):
     out = _empty((b, n, hq, dv), q.dtype, q.device)
     lse = _empty((b, n, hq), torch.float32, q.device)
     table = _rpb_table(rpb, hq)
+    has_rpb = table is not None
 
-    def run(launch: autotune.Launch):
+    def scalars_and_meta(launch: autotune.Launch):
         window, programs = _window_args(params, launch.outer_tile)
-        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, table is not None,
+        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb,
                            needs_int64(q4, k4, v4, out))
-        for lo, hi in _batch_chunks(b, hq):
-            kernels.na_fwd_kernel[(programs, (hi - lo) * hq)](
-                q4[lo:hi], k4[lo:hi], v4[lo:hi], table if table is not None else q4, out[lo:hi], lse[lo:hi],
-                *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), lse.stride(0), lse.stride(1),
-                hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window, **meta,
-            )
+        scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), lse.stride(0), lse.stride(1),
+                   hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
+        return programs, scalars, meta
 
-    run(autotune.pick("fwd", q, k, v, params, table is not None, run))
+    def run(launch: autotune.Launch, plan=None):
+        programs, scalars, meta = plan or scalars_and_meta(launch)
+        tensors = (q4, k4, v4, table if has_rpb else q4, out, lse)
+        _launch_chunks(kernels.na_fwd_kernel, programs, hq, b, tensors, scalars, meta)
+
+    launch = autotune.pick("fwd", q, k, v, params, has_rpb, run)
+    key = ("fwd", launch, params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), q.dtype,
+           has_rpb, scale)
+    run(launch, _plan(key, lambda: scalars_and_meta(launch)))
     spatial = q.shape[1:-2]
     return out.reshape(b, *spatial, hq, dv), lse.reshape(b, *spatial, hq)
 
@@ -131,29 +160,36 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     idx64 = needs_int64(q4, k4, v4, do4, o4)  # the gradients are contiguous: never larger offsets
 
-    def run_dq(launch):
+    def dq_plan(launch):
         window, programs = _window_args(params, launch.outer_tile)
         meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb, idx64)
-        for lo, hi in _batch_chunks(b, hq):
-            kernels.na_bwd_dq_kernel[(programs, (hi - lo) * hq)](
-                q4[lo:hi], k4[lo:hi], v4[lo:hi], rpb_arg, do4[lo:hi], lse3[lo:hi], delta[lo:hi], dq[lo:hi],
-                *common, *_strides(dq), hq, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, **meta,
-            )
+        return programs, (*common, *_strides(dq), hq, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window), meta
 
-    def run_dkdv(launch):
+    def run_dq(launch, plan=None):
+        programs, scalars, meta = plan or dq_plan(launch)
+        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dq)
+        _launch_chunks(kernels.na_bwd_dq_kernel, programs, hq, b, tensors, scalars, meta)
+
+    def dkdv_plan(launch):
         # outer tile = KV tile, inner tile = query tile
         window, programs = _window_args(params, launch.outer_tile)
         meta = _constexprs(params, launch, launch.inner_tile, launch.outer_tile, d, dv, has_rpb, idx64)
         meta["BISECT"] = max(math.ceil(L / dil).bit_length() for L, dil in zip(params.spatial, params.dilation))
-        for lo, hi in _batch_chunks(b, hkv):
-            kernels.na_bwd_dkdv_kernel[(programs, (hi - lo) * hkv)](
-                q4[lo:hi], k4[lo:hi], v4[lo:hi], rpb_arg, do4[lo:hi], lse3[lo:hi], delta[lo:hi], dk[lo:hi],
-                dvv[lo:hi], *common, *_strides(dk), *_strides(dvv), hkv, hq // hkv, d, dv, scale * kernels.LOG2E,
-                scale, *window, **meta,
-            )
+        scalars = (*common, *_strides(dk), *_strides(dvv), hkv, hq // hkv, d, dv, scale * kernels.LOG2E, scale,
+                   *window)
+        return programs, scalars, meta
 
-    run_dq(autotune.pick("dq", q, k, v, params, has_rpb, run_dq))
-    run_dkdv(autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv))
+    def run_dkdv(launch, plan=None):
+        programs, scalars, meta = plan or dkdv_plan(launch)
+        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dk, dvv)
+        _launch_chunks(kernels.na_bwd_dkdv_kernel, programs, hkv, b, tensors, scalars, meta)
+
+    shapes = (params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), do4.stride(), q.dtype,
+              has_rpb, scale)
+    launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq)
+    run_dq(launch, _plan(("dq", launch, *shapes), lambda: dq_plan(launch)))
+    launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv)
+    run_dkdv(launch, _plan(("dkdv", launch, *shapes), lambda: dkdv_plan(launch)))
     drpb = None
     if has_rpb:
         drpb = _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v, idx64)

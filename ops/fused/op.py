@@ -80,7 +80,41 @@ def _backward(ctx, d_out, d_lse):
 fused_na_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerFusedNA(torch.autograd.Function):
+    """The same forward and backward as the custom ops, without their dispatch.
+
+    A custom op call costs tens of microseconds of Python (schema checks, dispatcher, dynamo guards);
+    a NAT-Tiny forward makes 30 NA calls, and at 14x14 / 7x7 maps the kernels take less time than
+    that, so eager models were host-bound (benchmarks/RESULTS.md, session 3).  Eager calls take this
+    path; traced code (torch.compile, export, functorch transforms) takes the custom ops.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, rpb, params: NAParams, scale: float):
+        out, lse = launch.forward(q, k, v, rpb, params, scale)
+        ctx.save_for_backward(q, k, v, rpb, out, lse)
+        ctx.params, ctx.scale = params, scale
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, rpb, out, lse = ctx.saved_tensors
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        deterministic = DRPB_DETERMINISTIC_DEFAULT or torch.are_deterministic_algorithms_enabled()
+        dq, dk, dv, drpb = launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale,
+                                           deterministic)
+        return dq, dk, dv, drpb, None, None
+
+
+def _traced() -> bool:
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+
 def attention(q, k, v, params: NAParams, rpb, scale: float):
+    if not _traced():
+        return _EagerFusedNA.apply(q, k, v, rpb, params, float(scale))
     return fused_na_forward(
         q, k, v, rpb, list(params.kernel_size), list(params.stride), list(params.dilation),
         [bool(c) for c in params.is_causal], float(scale),

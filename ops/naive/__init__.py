@@ -12,8 +12,11 @@ import torch
 from ..backends import run_on_token_rows
 from ..window import NAParams, neighbor_table
 
-# Upper bound on the bytes of one chunk's gathered keys (values are the same order of size).
+# Upper bound on the bytes of one chunk's gathered keys (values are the same order of size).  GPUs get a
+# larger budget: with 64 MiB a 2d-flux query (6400 keys x 24 heads x 128 dims) fills a chunk alone, and
+# 65536 one-query iterations spend their time launching kernels rather than gathering.
 CHUNK_BYTES = 64 * 1024 * 1024
+CUDA_CHUNK_BYTES = 256 * 1024 * 1024
 
 
 def _tables(params: NAParams, device: torch.device, lo: int, hi: int):
@@ -26,9 +29,10 @@ def _compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_size(batch, window, heads_kv, dim, elem_bytes):
+def _chunk_size(batch, window, heads_kv, dim, elem_bytes, device):
     per_query = batch * window * heads_kv * dim * elem_bytes
-    return max(1, CHUNK_BYTES // max(per_query, 1))
+    budget = CUDA_CHUNK_BYTES if device.type == "cuda" else CHUNK_BYTES
+    return max(1, budget // max(per_query, 1))
 
 
 class _Chunk:
@@ -70,7 +74,7 @@ def _forward(q, k, v, params, rpb, scale):
     ct = _compute_dtype(q.dtype)
     out = torch.empty(b, n, hq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, n, hq, dtype=ct, device=q.device)
-    step = _chunk_size(b, params.window_size, hkv, max(d, dv), torch.finfo(ct).bits // 8)
+    step = _chunk_size(b, params.window_size, hkv, max(d, dv), torch.finfo(ct).bits // 8, q.device)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         c = _Chunk(q, k, v, rpb, params, lo, hi, scale, groups)
@@ -96,7 +100,7 @@ def _backward(q, k, v, params, rpb, scale, out, lse, d_out, d_lse):
     delta = (d_out.to(ct) * out.to(ct)).sum(-1)
     if d_lse is not None:
         delta = delta - d_lse.to(ct)
-    step = _chunk_size(b, params.window_size, hkv, max(d, dv), torch.finfo(ct).bits // 8)
+    step = _chunk_size(b, params.window_size, hkv, max(d, dv), torch.finfo(ct).bits // 8, q.device)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         n_c = hi - lo
