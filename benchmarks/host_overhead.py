@@ -40,7 +40,16 @@ def per_call_us(fn, calls):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--dump-triton", default=None, help="write the installed Triton's launch path source here")
     args = ap.parse_args()
+    if args.dump_triton:  # what a launch costs depends on this version's JITFunction.run
+        import inspect
+
+        import triton.compiler.compiler as tc
+        from triton.runtime import jit
+
+        with open(args.dump_triton, "w") as f:
+            f.write(inspect.getsource(jit.JITFunction.run) + "\n" + inspect.getsource(tc.CompiledKernel))
     B, H, D = 1, 8, 32
     x = torch.randn(B, 14, 14, 3, H, D, device="cuda", dtype=torch.bfloat16)
     q, k, v = x.unbind(-3)  # strided views, as a model's qkv projection gives them

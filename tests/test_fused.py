@@ -198,6 +198,25 @@ def test_unsupported_reasons(monkeypatch):
         ops.na2d(q, q, q, 3, backend="fused")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_repeated_calls_take_the_direct_path(dtype):
+    """The second call of a problem launches from the cached plan (no views, no tile choice): fresh
+    strided q/k/v views of a qkv projection and a float32 RPB each time, checked against the oracle."""
+    spatial, kernel, heads, dim = (6, 9), (3, 5), 2, 16
+    launch._DIRECT.clear()
+    for call in range(3):
+        gen = torch.Generator(device=DEVICE).manual_seed(100 + call)
+        qkv = torch.randn(2, *spatial, 3, heads, dim, dtype=dtype, device=DEVICE, generator=gen)
+        q, k, v = qkv.unbind(-3)
+        rpb = torch.randn(heads, 5, 9, device=DEVICE, generator=gen)
+        out, lse = ops.na2d(q, k, v, kernel, dilation=(2, 1), rpb=rpb, return_lse=True, backend="fused")
+        ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), spatial, kernel,
+                                            (1, 1), (2, 1), (False, False), rpb=rpb.double().cpu())
+        assert _rel_err(out, ref_out) < TOL[dtype] and _rel_err(lse, ref_lse) < TOL[dtype]
+        assert out.shape == (2, *spatial, heads, dim) and out.is_contiguous()
+        assert len(launch._DIRECT) == 1, "the first call should have left a direct plan"
+
+
 def test_custom_op_opcheck():
     from ops.fused.op import fused_na_forward
 

@@ -87,6 +87,12 @@ def set_autotune(enabled: bool | None) -> None:
     _tune_override = enabled
 
 
+def state() -> tuple:
+    """What a cached launch depends on besides the problem: tuning on/off, pinned configurations and
+    the memo (tests replace it to force a new choice)."""
+    return autotune_enabled(), tuple(_forced.items()), id(_memo)
+
+
 def autotune_enabled() -> bool:
     if _tune_override is not None:
         return _tune_override

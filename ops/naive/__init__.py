@@ -16,7 +16,7 @@ from ..window import NAParams, neighbor_table
 # larger budget: with 64 MiB a 2d-flux query (6400 keys x 24 heads x 128 dims) fills a chunk alone, and
 # 65536 one-query iterations spend their time launching kernels rather than gathering.
 CHUNK_BYTES = 64 * 1024 * 1024
-CUDA_CHUNK_BYTES = 256 * 1024 * 1024
+CUDA_CHUNK_BYTES = 1024 * 1024 * 1024
 
 
 def _tables(params: NAParams, device: torch.device, lo: int, hi: int):
