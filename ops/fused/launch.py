@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -113,18 +113,50 @@ def _launch_chunks(kernel, programs, heads, batch, tensors, scalars, meta):
         kernel[(programs, (hi - lo) * heads)](*(t[lo:hi] if t.dim() > 2 else t for t in tensors), *scalars, **meta)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _DirectForward:
     """A forward launch whose only per-call work is two allocations and the kernel launch itself:
     q, k, v (and a float32 contiguous rpb) go to the kernel as they are, since their flat-token
-    views share their memory and every stride is already in ``scalars``."""
+    views share their memory and every stride is already in ``scalars``.
+
+    Once the kernel is compiled, the launch skips Triton's per-call argument binding as well
+    (``compiled``): that binding costs about as much as the rest of the call (RESULTS.md, session
+    3).  The compiled kernel was specialised on which pointers were 16-byte aligned (``aligned``);
+    a call whose pointers differ there goes through Triton's normal launch instead."""
 
     grid: tuple[int, int]
     scalars: tuple
-    meta: dict = field(hash=False, compare=False)
+    meta: dict
     out_shape: tuple
     lse_shape: tuple
     rpb_direct: bool
+    compiled: object = None
+    constexprs: tuple = ()
+    aligned: tuple = ()
+
+
+def _compiled_launch(plan: _DirectForward, tensors) -> bool:
+    """Launches ``plan.compiled`` directly; False when the call must take Triton's normal launch."""
+    compiled = plan.compiled
+    if compiled is None or triton.knobs.runtime.launch_enter_hook is not None:
+        return False
+    if tuple(t.data_ptr() % 16 == 0 for t in tensors) != plan.aligned:
+        return False
+    device = triton.runtime.driver.active.get_current_device()
+    stream = triton.runtime.driver.active.get_current_stream(device)
+    compiled.run(plan.grid[0], plan.grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None,
+                 None, *tensors, *plan.scalars, *plan.constexprs)
+    return True
+
+
+def _remember_compiled(plan: _DirectForward, compiled, kernel, tensors) -> None:
+    """Keeps the compiled kernel of a direct plan when this Triton exposes the launcher it uses."""
+    needed = ("run", "function", "packed_metadata")
+    if compiled is None or not all(hasattr(compiled, name) for name in needed):
+        return  # interpreter, or a Triton whose compiled kernels look different: keep the normal launch
+    plan.constexprs = tuple(plan.meta[name] for name in kernel.arg_names if name in plan.meta)
+    plan.aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+    plan.compiled = compiled
 
 
 _DIRECT: dict[tuple, _DirectForward] = {}
@@ -144,7 +176,11 @@ def forward(q, k, v, rpb, params: NAParams, scale: float):
         out = _empty(plan.out_shape, q.dtype, q.device)
         lse = _empty(plan.lse_shape, torch.float32, q.device)
         bias = (rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])) if rpb is not None else q
-        kernels.na_fwd_kernel[plan.grid](q, k, v, bias, out, lse, *plan.scalars, **plan.meta)
+        tensors = (q, k, v, bias, out, lse)
+        if not _compiled_launch(plan, tensors):
+            compiled = kernels.na_fwd_kernel[plan.grid](*tensors, *plan.scalars, **plan.meta)
+            if plan.compiled is None:
+                _remember_compiled(plan, compiled, kernels.na_fwd_kernel, tensors)
         return out, lse
     return _forward_full(q, k, v, rpb, params, scale, key)
 
