@@ -178,20 +178,20 @@ def test_module_training_step_matches_naive():
         assert _rel_err(g_f[name], g_n[name]) < (1e-4 if INTERPRETED else 5e-3), name
 
 
-def _problem(device="cpu", dtype=torch.float32, head_dim=16):
+def _problem(device=DEVICE, dtype=torch.float32, head_dim=16):
     params = NAParams((8, 8), (3, 3), (1, 1), (1, 1), (False, False))
     return Problem(params, dtype, torch.device(device), head_dim, head_dim, 2, 2, False, False)
 
 
 def test_unsupported_reasons(monkeypatch):
-    assert BACKEND.unsupported(_problem()) is None or not INTERPRETED
+    assert BACKEND.unsupported(_problem()) is None
     assert "float64" in BACKEND.unsupported(_problem(dtype=torch.float64))
     assert "head dim" in BACKEND.unsupported(_problem(head_dim=512))
     import ops.fused as fused
 
     monkeypatch.setattr(fused, "_INTERPRETED", False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    reason = BACKEND.unsupported(_problem())
+    reason = BACKEND.unsupported(_problem(device="cpu"))
     assert "CUDA" in reason and "TRITON_INTERPRET=1" in reason
     with pytest.raises(ValueError, match="fused"):
         q = torch.randn(1, 8, 8, 2, 16)

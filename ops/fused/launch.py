@@ -138,14 +138,16 @@ class _DirectForward:
 def _compiled_launch(plan: _DirectForward, tensors) -> bool:
     """Launches ``plan.compiled`` directly; False when the call must take Triton's normal launch."""
     compiled = plan.compiled
-    if compiled is None or triton.knobs.runtime.launch_enter_hook is not None:
-        return False
-    if tuple(t.data_ptr() % 16 == 0 for t in tensors) != plan.aligned:
+    if compiled is None or tuple(t.data_ptr() % 16 == 0 for t in tensors) != plan.aligned:
         return False
     device = triton.runtime.driver.active.get_current_device()
     stream = triton.runtime.driver.active.get_current_stream(device)
-    compiled.run(plan.grid[0], plan.grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None,
-                 None, *tensors, *plan.scalars, *plan.constexprs)
+    args = (*tensors, *plan.scalars, *plan.constexprs)
+    # launch hooks (profilers) get what Triton's own launch would give them
+    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    metadata = compiled.launch_metadata(plan.grid, stream, *args) if enter is not None else None
+    compiled.run(plan.grid[0], plan.grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
+                 enter, leave, *args)
     return True
 
 
