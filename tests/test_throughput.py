@@ -406,3 +406,19 @@ def test_lost_cuda_context_keeps_the_row_and_restarts(tmp_path, monkeypatch):
         row = by_key[("b", backend)]
         assert row["train_error"].startswith(f"not run: {backend} train killed the CUDA context earlier (a fp32)")
         assert row["infer_samples_per_sec"] > 0 and row.get("cuda_ok", True)
+
+
+@pytest.mark.parametrize("keep_gc", [False, True])
+def test_timed_steps_pause_the_garbage_collector(keep_gc):
+    """Timed steps run with the collector off (as timeit does) unless keep_gc; it is on again after."""
+    import gc
+
+    from namodels.benchmark.timing import TimingSettings, time_steps
+
+    seen = []
+    settings = TimingSettings(warmup=1, iters=3, min_iters=3, keep_gc=keep_gc)
+    times = time_steps(lambda: seen.append(gc.isenabled()), torch.device("cpu"), settings)
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    assert seen[0] is True  # the warm-up step runs as usual
+    assert seen[1:] == [keep_gc] * 3
+    assert gc.isenabled()

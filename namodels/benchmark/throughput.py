@@ -580,6 +580,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-cap", type=float, default=None, help="seconds of warm-up per phase")
     p.add_argument("--deadline", type=float, default=None, help="start no row after this many seconds")
     p.add_argument("--no-train", action="store_true")
+    p.add_argument("--keep-gc", action="store_true", help="leave Python's garbage collector on while timing")
     p.add_argument("--no-infer", action="store_true")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -602,6 +603,7 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
         min_iters=args.min_iters if args.min_iters is not None else min(base.min_iters, args.iters or base.iters),
         cap_s=args.time_cap if args.time_cap is not None else base.cap_s,
         warmup_cap_s=args.warmup_cap if args.warmup_cap is not None else base.warmup_cap_s,
+        keep_gc=args.keep_gc,
     )
     return BenchOptions(
         models=args.models, backends=args.backends, precisions=args.precisions, batch_size=args.batch,

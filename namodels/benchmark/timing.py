@@ -92,13 +92,19 @@ def with_batch_decay(run: Callable[[int], dict], batch_size: int, *, min_batch_s
 @dataclass
 class TimingSettings:
     """Warm-up steps (untimed; the first includes compilation), timed steps, and caps in seconds of
-    wall time on each (at least one warm-up and ``min_iters`` timed steps always run)."""
+    wall time on each (at least one warm-up and ``min_iters`` timed steps always run).
+
+    ``keep_gc``: leave Python's garbage collector on during the timed steps.  Off by default, as in
+    ``timeit``: a full collection in a long benchmark process (many models built and dropped) can
+    land inside a step and add milliseconds to whichever row happens to be timed then.
+    """
 
     warmup: int = 3
     iters: int = 20
     min_iters: int = 1
     cap_s: float = 10.0
     warmup_cap_s: float = 30.0
+    keep_gc: bool = False
 
     def __post_init__(self):
         for name in ("warmup", "iters", "min_iters"):
@@ -126,6 +132,19 @@ def time_steps(step: Callable[[], object], device: torch.device, settings: Timin
         if time.perf_counter() - started > settings.warmup_cap_s:
             break
     times: list[float] = []
+    gc_was_enabled = gc.isenabled()
+    if not settings.keep_gc:
+        gc.collect()
+        gc.disable()
+    try:
+        _timed_loop(step, device, settings, times)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return times
+
+
+def _timed_loop(step, device, settings: TimingSettings, times: list[float]) -> None:
     started = time.perf_counter()
     for i in range(settings.iters):
         if device.type == "cuda":
@@ -141,7 +160,6 @@ def time_steps(step: Callable[[], object], device: torch.device, settings: Timin
             times.append((time.perf_counter() - t0) * 1e3)
         if i + 1 >= settings.min_iters and time.perf_counter() - started > settings.cap_s:
             break
-    return times
 
 
 def median_ms(times: list[float]) -> float:
