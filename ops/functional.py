@@ -168,6 +168,25 @@ def _check_tensors(rank, query, key, value, rpb, params_args, additional_keys, a
     return params
 
 
+# Arguments that passed the checks, by everything the checks look at (types, shapes, dtypes, devices,
+# window arguments): a model repeats a few calls, and the checks cost more host time than the fused
+# kernel of a small map takes on the GPU.  Only the checks are skipped: the backend is chosen per call.
+_VALIDATED: dict[tuple, NAParams] = {}
+
+
+def _signature(rank, query, key, value, rpb, window_args):
+    """Hashable summary of the checked arguments, or None when one is not a plain tensor / value."""
+    try:
+        rpb_sig = None if rpb is None else (type(rpb), rpb.shape, rpb.dtype, rpb.device)
+        signature = (rank, type(query), type(key), type(value), query.shape, key.shape, value.shape, query.dtype,
+                     key.dtype, value.dtype, query.device, key.device, value.device, rpb_sig,
+                     *(_cache_key(a) for a in window_args))
+        hash(signature)
+        return signature
+    except (AttributeError, TypeError):  # not tensors, unhashable window arguments: the checks will say
+        return None
+
+
 def _dense_attention(query, keys, values, scale):
     """Attention of every query over a small set of extra keys: ``(out, lse)``, float32 math."""
     b, *spatial, hq, d = query.shape
@@ -206,9 +225,13 @@ def neighborhood_attention(
     backend: str | None = None,
 ):
     """N-D neighborhood attention (see ``na1d`` / ``na2d`` / ``na3d``)."""
-    params = _check_tensors(
-        rank, query, key, value, rpb, (kernel_size, stride, dilation, is_causal), additional_keys, additional_values
-    )
+    window_args = (kernel_size, stride, dilation, is_causal)
+    signature = _signature(rank, query, key, value, rpb, window_args) if additional_keys is None else None
+    params = _VALIDATED.get(signature) if signature is not None else None
+    if params is None:
+        params = _check_tensors(rank, query, key, value, rpb, window_args, additional_keys, additional_values)
+        if signature is not None and len(_VALIDATED) < 4096:
+            _VALIDATED[signature] = params
     if scale is None:
         scale = query.shape[-1] ** -0.5
     elif not isinstance(scale, (int, float)) or not math.isfinite(scale):

@@ -33,6 +33,17 @@ TOL = {torch.float32: 1e-5 if INTERPRETED else 3e-3, torch.bfloat16: 3e-2, torch
 
 
 @pytest.fixture(autouse=True)
+def fresh_launch_plans():
+    """Each test starts without cached launch plans, so its first call of a problem takes the full
+    path (tile choice, int64 decision) under whatever the test patched."""
+    launch._DIRECT.clear()
+    launch._PLANS.clear()
+    yield
+    launch._DIRECT.clear()
+    launch._PLANS.clear()
+
+
+@pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
     """Every buffer the kernels write starts as NaN."""
     monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
@@ -129,6 +140,8 @@ def test_int64_index_path(monkeypatch):
     """The kernels' int64 token-offset variant (used past 2**31 elements per batch element)."""
     monkeypatch.setattr(launch, "needs_int64", lambda *tensors: True)
     _run(_fixed((6, 9), (3, 5), d=(2, 1), rpb=True), torch.float32, grads=True)
+    assert launch._DIRECT and all(plan.meta["IDX64"] for plan in launch._DIRECT.values())
+    assert launch._PLANS and all(meta["IDX64"] for _, _, meta in launch._PLANS.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -112,8 +112,15 @@ def _traced() -> bool:
     return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
+def _needs_grad(q, k, v, rpb) -> bool:
+    return torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (rpb is not None and rpb.requires_grad))
+
+
 def attention(q, k, v, params: NAParams, rpb, scale: float):
     if not _traced():
+        if not _needs_grad(q, k, v, rpb):  # inference: no autograd node to build
+            return launch.forward(q, k, v, rpb, params, float(scale))
         return _EagerFusedNA.apply(q, k, v, rpb, params, float(scale))
     return fused_na_forward(
         q, k, v, rpb, list(params.kernel_size), list(params.stride), list(params.dilation),
