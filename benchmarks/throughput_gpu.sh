@@ -22,7 +22,8 @@ PART1_PERCENT=${PART1_PERCENT:-68}
 FLEX_MODELS=${FLEX_MODELS:-"nat_mini dinat_mini nat_tiny"}
 # 1) fused / naive / gemm / dense SDPA: minis, NAT-Tiny and the timm baselines (bf16, then fp32), then the rest
 export NAMODELS_BENCH_DEADLINE=$((T0 + TOTAL * PART1_PERCENT / 100))
-timeout $((TOTAL * (PART1_PERCENT + 17) / 100)) python3 -m namodels.benchmark.throughput \
+PART1_LIMIT=$((TOTAL * (PART1_PERCENT + 17) / 100)); [ "$PART1_LIMIT" -gt "$TOTAL" ] && PART1_LIMIT=$TOTAL
+timeout "$PART1_LIMIT" python3 -m namodels.benchmark.throughput \
   --models nat_mini dinat_mini nat_tiny swin_tiny_patch4_window7_224 convnext_tiny / \
            dinat_tiny nat_small dinat_small nat_base dinat_base dinat_large \
   --backends fused naive gemm sdpa --precisions bf16 fp32 $COMMON --no-chart --out "$OUT" $RESUME > "$OUT/log1.txt" 2>&1
