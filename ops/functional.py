@@ -226,7 +226,9 @@ def neighborhood_attention(
 ):
     """N-D neighborhood attention (see ``na1d`` / ``na2d`` / ``na3d``)."""
     window_args = (kernel_size, stride, dilation, is_causal)
-    signature = _signature(rank, query, key, value, rpb, window_args) if additional_keys is None else None
+    # (traced code runs the checks once at trace time: no cache lookups for dynamo to follow)
+    cacheable = additional_keys is None and not torch.compiler.is_compiling()
+    signature = _signature(rank, query, key, value, rpb, window_args) if cacheable else None
     params = _VALIDATED.get(signature) if signature is not None else None
     if params is None:
         params = _check_tensors(rank, query, key, value, rpb, window_args, additional_keys, additional_values)
