@@ -116,3 +116,31 @@ def test_module_matches_oracle(rank):
     torch.testing.assert_close(y, m.proj(ref.reshape(2, *spatial, 12)))
     y.sum().backward()
     assert m.rpb.grad is not None and m.rpb.grad.abs().sum() > 0
+
+
+def test_repeated_calls_are_still_checked():
+    """Validated arguments are cached by signature; a call that differs in anything checked is checked
+    again (types too: ``True`` is not an int kernel size), and the backend is still chosen per call."""
+    from ops import functional
+
+    q = torch.randn(1, 9, 9, 2, 8)
+    rpb = torch.randn(2, 5, 5)
+    functional._VALIDATED.clear()
+    first = ops.na2d(q, q, q, 3, rpb=rpb, backend="naive")
+    again = ops.na2d(q, q, q, 3, rpb=rpb, backend="naive")
+    torch.testing.assert_close(first, again)
+    assert len(functional._VALIDATED) == 1
+    with pytest.raises(ValueError, match="kernel_size"):
+        ops.na2d(q, q, q, True, backend="naive")
+    with pytest.raises(ValueError, match="rpb"):
+        ops.na2d(q, q, q, 3, rpb=torch.randn(2, 7, 7), backend="naive")
+    with pytest.raises(ValueError, match="rpb"):
+        ops.na2d(q, q, q, 3, rpb=rpb.to(torch.int64), backend="naive")
+    with pytest.raises(ValueError, match="dtype"):
+        ops.na2d(q, q.double(), q, 3, backend="naive")
+    with pytest.raises(ValueError, match="kernel_size"):
+        ops.na2d(q, q, q, [3, 11], backend="naive")
+    with pytest.raises(ValueError, match="backend"):
+        ops.na2d(q, q, q, 3, rpb=rpb, backend="no-such-backend")
+    with ops.use_backend("gemm"):  # same signature, another backend: chosen per call
+        torch.testing.assert_close(ops.na2d(q, q, q, 3, rpb=rpb), first, rtol=1e-5, atol=1e-5)
