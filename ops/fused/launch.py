@@ -133,6 +133,7 @@ class _DirectForward:
     compiled: object = None
     constexprs: tuple = ()
     aligned: tuple = ()
+    device: int = -1
 
 
 def _compiled_launch(plan: _DirectForward, tensors) -> bool:
@@ -141,6 +142,8 @@ def _compiled_launch(plan: _DirectForward, tensors) -> bool:
     if compiled is None or tuple(t.data_ptr() % 16 == 0 for t in tensors) != plan.aligned:
         return False
     device = triton.runtime.driver.active.get_current_device()
+    if device != plan.device:  # the compiled module is loaded on the device it was launched on
+        return False
     stream = triton.runtime.driver.active.get_current_stream(device)
     args = (*tensors, *plan.scalars, *plan.constexprs)
     # launch hooks (profilers) get what Triton's own launch would give them
@@ -158,6 +161,7 @@ def _remember_compiled(plan: _DirectForward, compiled, kernel, tensors) -> None:
         return  # interpreter, or a Triton whose compiled kernels look different: keep the normal launch
     plan.constexprs = tuple(plan.meta[name] for name in kernel.arg_names if name in plan.meta)
     plan.aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+    plan.device = triton.runtime.driver.active.get_current_device()
     plan.compiled = compiled
 
 
