@@ -230,6 +230,26 @@ def test_repeated_calls_take_the_direct_path(dtype):
         assert len(launch._DIRECT) == 1, "the first call should have left a direct plan"
 
 
+def test_inference_calls_skip_autograd_and_training_calls_do_not():
+    """No input needs a gradient: no autograd node; one does: the eager autograd.Function, whose
+    gradients match the oracle's (checked in depth by the random backward tests)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    q, k, v = (torch.randn(1, 10, 2, 16, device=DEVICE, generator=gen) for _ in range(3))
+    out = ops.na1d(q, k, v, 5, backend="fused")
+    assert out.grad_fn is None and not out.requires_grad
+    qg = q.clone().requires_grad_()
+    out_g = ops.na1d(qg, k, v, 5, backend="fused")
+    assert out_g.grad_fn is not None and "EagerFusedNA" in type(out_g.grad_fn).__name__
+    torch.testing.assert_close(out_g.detach(), out)
+    with torch.no_grad():
+        assert ops.na1d(qg, k, v, 5, backend="fused").grad_fn is None
+    (grad,) = torch.autograd.grad(out_g.sum(), qg)
+    ref_q = q.double().cpu().requires_grad_()
+    ref, _ = oracle_attention(ref_q, k.double().cpu(), v.double().cpu(), (10,), (5,), (1,), (1,), (False,))
+    (ref_grad,) = torch.autograd.grad(ref.sum(), ref_q)
+    assert _rel_err(grad, ref_grad) < 4 * TOL[torch.float32]
+
+
 def test_custom_op_opcheck():
     from ops.fused.op import fused_na_forward
 
