@@ -131,20 +131,19 @@ def time_steps(step: Callable[[], object], device: torch.device, settings: Timin
         synchronize(device)
         if time.perf_counter() - started > settings.warmup_cap_s:
             break
-    times: list[float] = []
     gc_was_enabled = gc.isenabled()
     if not settings.keep_gc:
         gc.collect()
         gc.disable()
     try:
-        _timed_loop(step, device, settings, times)
+        return _timed_loop(step, device, settings)
     finally:
         if gc_was_enabled:
             gc.enable()
-    return times
 
 
-def _timed_loop(step, device, settings: TimingSettings, times: list[float]) -> None:
+def _timed_loop(step, device, settings: TimingSettings) -> list[float]:
+    times: list[float] = []
     started = time.perf_counter()
     for i in range(settings.iters):
         if device.type == "cuda":
@@ -160,6 +159,7 @@ def _timed_loop(step, device, settings: TimingSettings, times: list[float]) -> N
             times.append((time.perf_counter() - t0) * 1e3)
         if i + 1 >= settings.min_iters and time.perf_counter() - started > settings.cap_s:
             break
+    return times
 
 
 def median_ms(times: list[float]) -> float:

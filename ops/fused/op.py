@@ -65,16 +65,25 @@ def _setup_context(ctx, inputs, output):
     ctx.window = (kernel_size, stride, dilation, is_causal, scale)
 
 
-def _backward(ctx, d_out, d_lse):
-    q, k, v, rpb, out, lse = ctx.saved_tensors
-    kernel_size, stride, dilation, is_causal, scale = ctx.window
+def _gradients(saved, d_out, d_lse, compute):
+    """(dq, dk, dv, drpb or None) from the saved tensors: the part both autograd paths share.
+    ``compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic)`` runs the backward kernels."""
+    q, k, v, rpb, out, lse = saved
     if d_out is None:
         d_out = torch.zeros_like(out)
     deterministic = DRPB_DETERMINISTIC_DEFAULT or torch.are_deterministic_algorithms_enabled()
-    dq, dk, dv, drpb = fused_na_backward(
-        q, k, v, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale, deterministic
-    )
-    return dq, dk, dv, (drpb if rpb is not None else None), None, None, None, None, None
+    dq, dk, dv, drpb = compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic)
+    return dq, dk, dv, (drpb if rpb is not None else None)
+
+
+def _backward(ctx, d_out, d_lse):
+    kernel_size, stride, dilation, is_causal, scale = ctx.window
+
+    def compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic):
+        return fused_na_backward(q, k, v, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal,
+                                 scale, deterministic)
+
+    return (*_gradients(ctx.saved_tensors, d_out, d_lse, compute), None, None, None, None, None)
 
 
 fused_na_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -99,13 +108,10 @@ class _EagerFusedNA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, rpb, out, lse = ctx.saved_tensors
-        if d_out is None:
-            d_out = torch.zeros_like(out)
-        deterministic = DRPB_DETERMINISTIC_DEFAULT or torch.are_deterministic_algorithms_enabled()
-        dq, dk, dv, drpb = launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale,
-                                           deterministic)
-        return dq, dk, dv, drpb, None, None
+        def compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic):
+            return launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale, deterministic)
+
+        return (*_gradients(ctx.saved_tensors, d_out, d_lse, compute), None, None)
 
 
 def _traced() -> bool:
