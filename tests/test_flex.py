@@ -75,3 +75,31 @@ def test_dilated_rpb_problems_in_group_order(seed):
     problem = RandomProblem(spatial, (3, 3), (1, rng.choice([1, 2])), (2, rng.choice([2, 3])), (False, False), 2, 4,
                             2, 8, 8, True)
     check_backend(problem, "flex", torch.float32, grad=False, generator=torch.Generator().manual_seed(seed))
+
+
+def test_many_problems_stay_compiled(monkeypatch):
+    """Past dynamo's default recompile limit (8 variants of one function) flex would run uncompiled,
+    materialising the full score matrix; the backend keeps every NA problem compiled.  Compiled here
+    with dynamo's ``eager`` backend (the guard and cache logic is dynamo's, not Inductor's), on 12
+    problems, each checked against the oracle."""
+    import functools
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import ops.flex as flex_backend
+
+    compiled = torch.compile(flex_attention, backend="eager", dynamic=False)
+    monkeypatch.setattr(flex_backend, "COMPILE_ON_CPU", True)
+    monkeypatch.setattr(flex_backend, "_compiled_flex", functools.lru_cache(maxsize=1)(lambda: compiled))
+    torch._dynamo.reset()
+    limit_before = torch._dynamo.config.recompile_limit
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flex_attention called without torch.compile")
+        for side in range(5, 17):  # 12 shapes: 12 compiled variants
+            q, k, v = (torch.randn(1, side, 6, 2, 8, generator=torch.Generator().manual_seed(side + i))
+                       for i in range(3))
+            got = ops.na2d(q, k, v, 3, backend="flex")
+            want = ops.na2d(q, k, v, 3, backend="naive")
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch._dynamo.config.recompile_limit == limit_before  # raised for flex's calls only
+    torch._dynamo.reset()

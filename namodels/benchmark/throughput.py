@@ -615,8 +615,9 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
 
 
 def _raise_recompile_limit() -> None:
-    """Every NA problem shape compiles its own flex kernel; dynamo's default recompile limit (8) would
-    silently send later shapes to eager flex attention and mis-measure the flex backend."""
+    """With ``--compile`` every model class's ``forward`` is one code object shared by all its variants,
+    precisions and grad modes; dynamo's default recompile limit (8) would silently run the later rows
+    uncompiled.  (The flex backend raises the limit for its own calls: ``ops.flex.RECOMPILE_LIMIT``.)"""
     import torch._dynamo
 
     for name in ("recompile_limit", "cache_size_limit"):

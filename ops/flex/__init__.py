@@ -8,6 +8,7 @@ eagerly unless ``ops.flex.COMPILE_ON_CPU`` is set (compiling costs seconds per n
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
@@ -32,6 +33,11 @@ except ImportError:
 
 COMPILE_ON_CPU = False
 BLOCK_SIZE = 128
+# Compiled variants of flex_attention this backend lets dynamo keep.  Every NA problem (shape, window,
+# dtype, grad mode) is its own compiled graph (``dynamic=False``): a 4-stage NAT used for training and
+# evaluation already needs 8, dynamo's default limit, past which it silently runs flex *uncompiled*
+# (the full score matrix in memory, orders of magnitude slower).
+RECOMPILE_LIMIT = 1024
 
 
 def _unravel(flat, spatial):
@@ -118,11 +124,32 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def _recompile_room():
+    """Raises dynamo's recompile limits (never lowers them) for the compiled flex call only.
+
+    Scoped rather than set at import, so the user's own compiled functions keep their limits.  Inside
+    a model the user compiles, flex is traced inline and this is not used.
+    """
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    raised = {}
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        current = getattr(config, name, None)
+        if isinstance(current, int) and current < RECOMPILE_LIMIT:
+            raised[name] = RECOMPILE_LIMIT
+    return config.patch(raised) if raised else contextlib.nullcontext()
+
+
 def _run_flex(q, k, v, score_mod, block_mask, scale, gqa):
     use_compile = q.device.type == "cuda" or COMPILE_ON_CPU
     if not use_compile:
         return _run_flex_eager_cpu(q, k, v, score_mod, block_mask, scale, gqa)
-    return _call(_compiled_flex(), q, k, v, score_mod, block_mask, scale, gqa)
+    if torch.compiler.is_compiling():  # the user's compiled model traces flex inline
+        return _call(_compiled_flex(), q, k, v, score_mod, block_mask, scale, gqa)
+    with _recompile_room():
+        return _call(_compiled_flex(), q, k, v, score_mod, block_mask, scale, gqa)
 
 
 def _call(fn, q, k, v, score_mod, block_mask, scale, gqa):
