@@ -1,4 +1,9 @@
-# A/B of the per-axis masking: old ops (session 3) vs new, same tile configurations (session-2 tuned cache)
+#!/usr/bin/env bash
+# A/B of two versions of ops/fused in one device call, same tile configurations (session-2 tuned cache).
+# The old version is a copy of the package from a commit, in an ignored folder carried to the device:
+#   mkdir -p .ab/old && git archive <old commit> ops | tar -x -C .ab/old   (then carry [".ab"])
+# Session 4 used it for the per-axis masking (old = 7923d42).
+set -u
 export PYTHONUNBUFFERED=1
 C=$PWD/benchmarks/results/fused_tuning_h100_run4.json
 cp $C /tmp/c_old.json; cp $C /tmp/c_new.json
