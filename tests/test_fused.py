@@ -250,6 +250,41 @@ def test_inference_calls_skip_autograd_and_training_calls_do_not():
     assert _rel_err(grad, ref_grad) < 4 * TOL[torch.float32]
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "custom-op"])
+def test_frozen_rpb_gets_no_gradient_kernel(monkeypatch, traced):
+    """An RPB that needs no gradient (frozen while fine-tuning) still biases the scores, but the dRPB
+    kernel does not run; q/k/v gradients match the oracle, on the eager path and through the custom op
+    (what compiled code calls)."""
+    calls = []
+    real_drpb = launch._drpb
+    monkeypatch.setattr(launch, "_drpb", lambda *a, **kw: calls.append(1) or real_drpb(*a, **kw))
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    mk = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    q, k, v, rpb = mk(1, 6, 5, 2, 16), mk(1, 6, 5, 2, 16), mk(1, 6, 5, 2, 16), mk(2, 5, 5)
+
+    def loss_of(q, k, v, rpb):
+        if traced:
+            from ops.fused.op import fused_na_forward
+            out, _ = fused_na_forward(q, k, v, rpb, [3, 3], [1, 1], [1, 1], [False, False], 0.25)
+        else:
+            out = ops.na2d(q, k, v, 3, rpb=rpb, scale=0.25, backend="fused")
+        return out.square().sum()
+
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(loss_of(*inputs, rpb), inputs)
+    assert calls == []
+    ref_in = [t.double().cpu().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = oracle_attention(*ref_in, (6, 5), (3, 3), (1, 1), (1, 1), (False, False), rpb=rpb.double().cpu(),
+                                  scale=0.25)
+    ref = torch.autograd.grad(ref_out.square().sum(), ref_in)
+    for g, r in zip(grads, ref):
+        assert _rel_err(g, r) < 4 * TOL[torch.float32]
+    # the same call with a trainable bias runs the kernel
+    rpb_g = rpb.clone().requires_grad_()
+    torch.autograd.grad(loss_of(*inputs, rpb_g), [inputs[0], rpb_g])
+    assert calls == [1]
+
+
 def test_custom_op_opcheck():
     from ops.fused.op import fused_na_forward
 

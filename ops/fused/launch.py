@@ -227,8 +227,10 @@ def _forward_full(q, k, v, rpb, params, scale, key):
     return out.reshape(b, *spatial, hq, dv), lse.reshape(b, *spatial, hq)
 
 
-def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool):
-    """Gradients ``(dq, dk, dv, drpb)`` of ``(out, lse)``; ``drpb`` is ``None`` without RPB."""
+def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
+             want_drpb: bool = True):
+    """Gradients ``(dq, dk, dv, drpb)`` of ``(out, lse)``; ``drpb`` is ``None`` without RPB or when
+    ``want_drpb`` is False (the bias still enters the recomputed scores)."""
     b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
     d, dv = q.shape[-1], v.shape[-1]
     q4, k4, v4 = _tokens(q, n), _tokens(k, n), _tokens(v, n)
@@ -275,7 +277,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv)
     run_dkdv(launch, _plan(("dkdv", launch, *shapes), lambda: dkdv_plan(launch)))
     drpb = None
-    if has_rpb:
+    if has_rpb and want_drpb:
         drpb = _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v, idx64)
         drpb = drpb.reshape(rpb.shape).to(rpb.dtype)
     spatial = q.shape[1:-2]

@@ -41,20 +41,20 @@ def fused_na_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor], out: torch.Tensor,
     lse: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor],
     kernel_size: list[int], stride: list[int], dilation: list[int], is_causal: list[bool], scale: float,
-    deterministic: bool,
+    deterministic: bool, want_drpb: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     params = _params(q, kernel_size, stride, dilation, is_causal)
-    dq, dk, dv, drpb = launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic)
-    if drpb is None:  # custom ops return tensors only: an empty one stands for "no rpb"
+    dq, dk, dv, drpb = launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb)
+    if drpb is None:  # custom ops return tensors only: an empty one stands for "no rpb gradient"
         drpb = q.new_empty((0,))
     return dq, dk, dv, drpb
 
 
 @fused_na_backward.register_fake
 def _backward_fake(q, k, v, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale,
-                   deterministic):
+                   deterministic, want_drpb):
     # The real op returns contiguous gradients whatever the input strides (q/k/v are often views).
-    drpb = rpb.new_empty(rpb.shape) if rpb is not None else q.new_empty((0,))
+    drpb = rpb.new_empty(rpb.shape) if rpb is not None and want_drpb else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drpb
 
 
@@ -65,25 +65,29 @@ def _setup_context(ctx, inputs, output):
     ctx.window = (kernel_size, stride, dilation, is_causal, scale)
 
 
-def _gradients(saved, d_out, d_lse, compute):
+def _gradients(saved, d_out, d_lse, needs_input_grad, compute):
     """(dq, dk, dv, drpb or None) from the saved tensors: the part both autograd paths share.
-    ``compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic)`` runs the backward kernels."""
+    ``compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb)`` runs the backward
+    kernels.  dRPB is skipped when the bias needs no gradient (a frozen RPB while fine-tuning): on
+    small windows its kernel is the largest of the backward (RESULTS.md, session 2)."""
     q, k, v, rpb, out, lse = saved
     if d_out is None:
         d_out = torch.zeros_like(out)
     deterministic = DRPB_DETERMINISTIC_DEFAULT or torch.are_deterministic_algorithms_enabled()
-    dq, dk, dv, drpb = compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic)
-    return dq, dk, dv, (drpb if rpb is not None else None)
+    want_drpb = rpb is not None and needs_input_grad[3]
+    dq, dk, dv, drpb = compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb)
+    return dq, dk, dv, (drpb if want_drpb else None)
 
 
 def _backward(ctx, d_out, d_lse):
     kernel_size, stride, dilation, is_causal, scale = ctx.window
 
-    def compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic):
+    def compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb):
         return fused_na_backward(q, k, v, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal,
-                                 scale, deterministic)
+                                 scale, deterministic, want_drpb)
 
-    return (*_gradients(ctx.saved_tensors, d_out, d_lse, compute), None, None, None, None, None)
+    return (*_gradients(ctx.saved_tensors, d_out, d_lse, ctx.needs_input_grad, compute), None, None, None, None,
+            None)
 
 
 fused_na_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -108,10 +112,11 @@ class _EagerFusedNA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        def compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic):
-            return launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale, deterministic)
+        def compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb):
+            return launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale, deterministic,
+                                   want_drpb)
 
-        return (*_gradients(ctx.saved_tensors, d_out, d_lse, compute), None, None)
+        return (*_gradients(ctx.saved_tensors, d_out, d_lse, ctx.needs_input_grad, compute), None, None)
 
 
 def _traced() -> bool:
