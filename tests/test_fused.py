@@ -36,11 +36,11 @@ TOL = {torch.float32: 1e-5 if INTERPRETED else 3e-3, torch.bfloat16: 3e-2, torch
 def fresh_launch_plans():
     """Each test starts without cached launch plans, so its first call of a problem takes the full
     path (tile choice, int64 decision) under whatever the test patched."""
-    launch._DIRECT.clear()
-    launch._PLANS.clear()
+    for plans in (launch._DIRECT, launch._BACKWARD, launch._PLANS):
+        plans.clear()
     yield
-    launch._DIRECT.clear()
-    launch._PLANS.clear()
+    for plans in (launch._DIRECT, launch._BACKWARD, launch._PLANS):
+        plans.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +140,7 @@ def test_int64_index_path(monkeypatch):
     """The kernels' int64 token-offset variant (used past 2**31 elements per batch element)."""
     monkeypatch.setattr(launch, "needs_int64", lambda *tensors: True)
     _run(_fixed((6, 9), (3, 5), d=(2, 1), rpb=True), torch.float32, grads=True)
-    assert launch._DIRECT and all(plan.meta["IDX64"] for plan in launch._DIRECT.values())
+    assert launch._DIRECT and all(plan.launch.meta["IDX64"] for plan in launch._DIRECT.values())
     assert launch._PLANS and all(meta["IDX64"] for _, _, meta in launch._PLANS.values())
 
 
@@ -213,21 +213,31 @@ def test_unsupported_reasons(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_repeated_calls_take_the_direct_path(dtype):
-    """The second call of a problem launches from the cached plan (no views, no tile choice): fresh
-    strided q/k/v views of a qkv projection and a float32 RPB each time, checked against the oracle."""
+    """The second call of a problem launches from the cached plans (no views, no tile choice), forward
+    and backward: fresh strided q/k/v views of a qkv projection and a float32 RPB each time, outputs
+    and all four gradients checked against the oracle."""
     spatial, kernel, heads, dim = (6, 9), (3, 5), 2, 16
-    launch._DIRECT.clear()
-    for call in range(3):
+    for call in range(2):  # the second call runs from the plans
         gen = torch.Generator(device=DEVICE).manual_seed(100 + call)
-        qkv = torch.randn(2, *spatial, 3, heads, dim, dtype=dtype, device=DEVICE, generator=gen)
+        qkv = torch.randn(2, *spatial, 3, heads, dim, dtype=dtype, device=DEVICE, generator=gen, requires_grad=True)
         q, k, v = qkv.unbind(-3)
-        rpb = torch.randn(heads, 5, 9, device=DEVICE, generator=gen)
+        rpb = torch.randn(heads, 5, 9, device=DEVICE, generator=gen, requires_grad=True)
         out, lse = ops.na2d(q, k, v, kernel, dilation=(2, 1), rpb=rpb, return_lse=True, backend="fused")
-        ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), spatial, kernel,
-                                            (1, 1), (2, 1), (False, False), rpb=rpb.double().cpu())
+        ref_in = [t.detach().double().cpu().requires_grad_() for t in (qkv, rpb)]
+        ref_out, ref_lse = oracle_attention(*ref_in[0].unbind(-3), spatial, kernel, (1, 1), (2, 1), (False, False),
+                                            rpb=ref_in[1])
         assert _rel_err(out, ref_out) < TOL[dtype] and _rel_err(lse, ref_lse) < TOL[dtype]
         assert out.shape == (2, *spatial, heads, dim) and out.is_contiguous()
         assert len(launch._DIRECT) == 1, "the first call should have left a direct plan"
+        # dense d_out and d_lse (an expanded gradient, as .sum() gives, is copied and takes the full path)
+        weight = torch.randn(out.shape, dtype=dtype, device=DEVICE, generator=gen)
+        lse_weight = torch.randn(lse.shape, device=DEVICE, generator=gen)
+        got = torch.autograd.grad((out * weight).float().sum() + (lse * lse_weight).sum(), (qkv, rpb))
+        ref = torch.autograd.grad((ref_out * weight.double().cpu()).sum() + (ref_lse * lse_weight.double().cpu()).sum(),
+                                  ref_in)
+        for g, r in zip(got, ref):
+            assert _rel_err(g, r) < 4 * TOL[dtype]
+        assert len(launch._BACKWARD) == 1, "the first backward should have left a direct plan"
 
 
 def test_inference_calls_skip_autograd_and_training_calls_do_not():
@@ -256,8 +266,8 @@ def test_frozen_rpb_gets_no_gradient_kernel(monkeypatch, traced):
     kernel does not run; q/k/v gradients match the oracle, on the eager path and through the custom op
     (what compiled code calls)."""
     calls = []
-    real_drpb = launch._drpb
-    monkeypatch.setattr(launch, "_drpb", lambda *a, **kw: calls.append(1) or real_drpb(*a, **kw))
+    real_drpb = launch._drpb_launch
+    monkeypatch.setattr(launch, "_drpb_launch", lambda *a, **kw: calls.append(1) or real_drpb(*a, **kw))
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     mk = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
     q, k, v, rpb = mk(1, 6, 5, 2, 16), mk(1, 6, 5, 2, 16), mk(1, 6, 5, 2, 16), mk(2, 5, 5)

@@ -114,29 +114,32 @@ def _launch_chunks(kernel, programs, heads, batch, tensors, scalars, meta):
 
 
 @dataclass
-class _DirectForward:
-    """A forward launch whose only per-call work is two allocations and the kernel launch itself:
-    q, k, v (and a float32 contiguous rpb) go to the kernel as they are, since their flat-token
-    views share their memory and every stride is already in ``scalars``.
+class _Launch:
+    """One kernel launch with everything but the tensors fixed (grid, scalar arguments, constexprs).
 
-    Once the kernel is compiled, the launch skips Triton's per-call argument binding as well
-    (``compiled``): that binding costs about as much as the rest of the call (RESULTS.md, session
-    3).  The compiled kernel was specialised on which pointers were 16-byte aligned (``aligned``);
-    a call whose pointers differ there goes through Triton's normal launch instead."""
+    Once the kernel is compiled, calls skip Triton's per-call argument binding (``compiled``): that
+    binding costs about as much as the rest of a small call (RESULTS.md, session 3).  The compiled
+    kernel was specialised on which pointers were 16-byte aligned (``aligned``); a call whose pointers
+    differ there, or that runs on another device, goes through Triton's normal launch instead."""
 
+    kernel: object
     grid: tuple[int, int]
     scalars: tuple
     meta: dict
-    out_shape: tuple
-    lse_shape: tuple
-    rpb_direct: bool
     compiled: object = None
     constexprs: tuple = ()
     aligned: tuple = ()
     device: int = -1
 
+    def __call__(self, tensors) -> None:
+        if _compiled_launch(self, tensors):
+            return
+        compiled = self.kernel[self.grid](*tensors, *self.scalars, **self.meta)
+        if self.compiled is None:
+            _remember_compiled(self, compiled, tensors)
 
-def _compiled_launch(plan: _DirectForward, tensors) -> bool:
+
+def _compiled_launch(plan: _Launch, tensors) -> bool:
     """Launches ``plan.compiled`` directly; False when the call must take Triton's normal launch."""
     compiled = plan.compiled
     if compiled is None or tuple(t.data_ptr() % 16 == 0 for t in tensors) != plan.aligned:
@@ -154,24 +157,50 @@ def _compiled_launch(plan: _DirectForward, tensors) -> bool:
     return True
 
 
-def _remember_compiled(plan: _DirectForward, compiled, kernel, tensors) -> None:
-    """Keeps the compiled kernel of a direct plan when this Triton exposes the launcher it uses."""
+def _remember_compiled(plan: _Launch, compiled, tensors) -> None:
+    """Keeps the compiled kernel of a plan when this Triton exposes the launcher it uses."""
     needed = ("run", "function", "packed_metadata")
     if compiled is None or not all(hasattr(compiled, name) for name in needed):
         return  # interpreter, or a Triton whose compiled kernels look different: keep the normal launch
-    plan.constexprs = tuple(plan.meta[name] for name in kernel.arg_names if name in plan.meta)
+    plan.constexprs = tuple(plan.meta[name] for name in plan.kernel.arg_names if name in plan.meta)
     plan.aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
     plan.device = triton.runtime.driver.active.get_current_device()
     plan.compiled = compiled
 
 
+@dataclass
+class _DirectForward:
+    """A forward whose only per-call work is two allocations and the kernel launch itself: q, k, v
+    (and a float32 contiguous rpb) go to the kernel as they are, since their flat-token views share
+    their memory and every stride is already in the launch's scalars."""
+
+    launch: _Launch
+    out_shape: tuple
+    lse_shape: tuple
+    rpb_direct: bool
+
+
 _DIRECT: dict[tuple, _DirectForward] = {}
+MAX_DIRECT_PLANS = 1024
+
+
+def _rpb_layout(rpb):
+    return None if rpb is None else (rpb.dtype, rpb.stride())
+
+
+def _rpb_direct(rpb) -> bool:
+    """The kernels read a float32 contiguous ``[H, ...]`` table: such an rpb goes in as it is."""
+    return rpb is not None and rpb.dtype == torch.float32 and rpb.is_contiguous()
+
+
+def _same_memory(pairs) -> bool:
+    """Every flat-token view is the tensor itself, reshaped (so the tensor can be passed instead)."""
+    return all(t4.data_ptr() == t.data_ptr() and t4.dtype == t.dtype for t4, t in pairs)
 
 
 def _forward_key(q, k, v, rpb, params, scale):
-    rpb_layout = None if rpb is None else (rpb.dtype, rpb.stride())
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], q.dtype, q.device,
-            rpb_layout, scale, autotune.state())
+            _rpb_layout(rpb), scale, autotune.state())
 
 
 def forward(q, k, v, rpb, params: NAParams, scale: float):
@@ -182,11 +211,7 @@ def forward(q, k, v, rpb, params: NAParams, scale: float):
         out = _empty(plan.out_shape, q.dtype, q.device)
         lse = _empty(plan.lse_shape, torch.float32, q.device)
         bias = (rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])) if rpb is not None else q
-        tensors = (q, k, v, bias, out, lse)
-        if not _compiled_launch(plan, tensors):
-            compiled = kernels.na_fwd_kernel[plan.grid](*tensors, *plan.scalars, **plan.meta)
-            if plan.compiled is None:
-                _remember_compiled(plan, compiled, kernels.na_fwd_kernel, tensors)
+        plan.launch((q, k, v, bias, out, lse))
         return out, lse
     return _forward_full(q, k, v, rpb, params, scale, key)
 
@@ -217,26 +242,78 @@ def _forward_full(q, k, v, rpb, params, scale, key):
     launch = autotune.pick("fwd", q, k, v, params, has_rpb, run)
     programs, scalars, meta = scalars_and_meta(launch)
     run(launch, (programs, scalars, meta))
-    same_memory = all(t4.data_ptr() == t.data_ptr() and t4.dtype == t.dtype for t4, t in ((q4, q), (k4, k), (v4, v)))
-    if same_memory and len(_batch_chunks(b, hq)) == 1 and len(_DIRECT) < 1024:
+    if _same_memory(((q4, q), (k4, k), (v4, v))) and len(_batch_chunks(b, hq)) == 1 and \
+            len(_DIRECT) < MAX_DIRECT_PLANS:
         spatial = tuple(q.shape[1:-2])
-        rpb_direct = rpb is not None and rpb.dtype == torch.float32 and rpb.is_contiguous()
-        _DIRECT[key] = _DirectForward((programs, b * hq), scalars, meta, (b, *spatial, hq, dv), (b, *spatial, hq),
-                                      rpb_direct)
+        _DIRECT[key] = _DirectForward(_Launch(kernels.na_fwd_kernel, (programs, b * hq), scalars, meta),
+                                      (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb))
     spatial = q.shape[1:-2]
     return out.reshape(b, *spatial, hq, dv), lse.reshape(b, *spatial, hq)
+
+
+@dataclass
+class _DirectBackward:
+    """The backward's launches for one problem and layout: delta, dQ, dK/dV and (optionally) dRPB.
+    A repeated call allocates its outputs and launches the four kernels, nothing more (the first
+    call of a problem measured ~600 us of host time on the device's CPU, session 3)."""
+
+    delta: _Launch
+    dq: _Launch
+    dkdv: _Launch
+    drpb: _Launch | None
+    drpb_atomic: bool
+    drpb_buffer: tuple  # shape of the dRPB accumulator (per-program partial rows unless atomic)
+    shapes: tuple  # (B, N, Hq, Hkv, D, Dv)
+    rpb_direct: bool
+
+
+_BACKWARD: dict[tuple, _DirectBackward] = {}
+
+
+def _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb):
+    d_lse_layout = None if d_lse is None else (d_lse.dtype, d_lse.stride())
+    return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], out.stride(), d_out.stride(),
+            d_out.dtype, lse.dtype, lse.stride(), d_lse_layout, q.dtype, q.device, _rpb_layout(rpb), scale,
+            deterministic, want_drpb, autotune.state())
 
 
 def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
              want_drpb: bool = True):
     """Gradients ``(dq, dk, dv, drpb)`` of ``(out, lse)``; ``drpb`` is ``None`` without RPB or when
     ``want_drpb`` is False (the bias still enters the recomputed scores)."""
+    key = _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb)
+    plan = _BACKWARD.get(key)
+    if plan is None:
+        return _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, key)
+    b, n, hq, hkv, d, dv = plan.shapes
+    dev = q.device
+    delta = torch.empty((b, n, hq), dtype=torch.float32, device=dev)
+    dq = _empty(q.shape, q.dtype, dev)
+    dk = _empty(k.shape, k.dtype, dev)
+    dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
+    table = (rpb if plan.rpb_direct else _rpb_table(rpb, hq)) if rpb is not None else q
+    plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
+    plan.dq((q, k, v, table, d_out, lse, delta, dq))
+    plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv))
+    drpb = None
+    if plan.drpb is not None:
+        partial = torch.zeros(plan.drpb_buffer, dtype=torch.float32, device=dev)
+        plan.drpb((q, k, v, table, d_out, lse, delta, partial))
+        drpb = _drpb_total(partial, plan.drpb_atomic, b, hq).reshape(rpb.shape).to(rpb.dtype)
+    return dq, dk, dvv, drpb
+
+
+def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, key):
+    """First call of a problem (or one the direct path cannot take): views, tile choice, launches."""
     b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
     d, dv = q.shape[-1], v.shape[-1]
     q4, k4, v4 = _tokens(q, n), _tokens(k, n), _tokens(v, n)
     o4, do4 = _tokens(out, n), _tokens(d_out, n)
     lse3 = lse.reshape(b, n, hq).float().contiguous()
-    delta = _delta(o4, do4, d_lse)
+    dlse = d_lse.reshape(b, n, hq).float().contiguous() if d_lse is not None else None
+    delta = torch.empty((b, n, hq), dtype=torch.float32, device=q.device)
+    delta_launch = _delta_launch(o4, do4, dlse is not None)
+    delta_launch((o4, do4, delta if dlse is None else dlse, delta))
     dq = _empty((b, n, hq, d), q.dtype, q.device)
     dk = _empty((b, n, hkv, d), k.dtype, k.device)
     dvv = _empty((b, n, hkv, dv), v.dtype, v.device)
@@ -273,36 +350,55 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     shapes = (params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), do4.stride(), q.dtype,
               has_rpb, scale)
     launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq)
-    run_dq(launch, _plan(("dq", launch, *shapes), lambda: dq_plan(launch)))
+    dq_args = _plan(("dq", launch, *shapes), lambda: dq_plan(launch))
+    run_dq(launch, dq_args)
     launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv)
-    run_dkdv(launch, _plan(("dkdv", launch, *shapes), lambda: dkdv_plan(launch)))
-    drpb = None
+    dkdv_args = _plan(("dkdv", launch, *shapes), lambda: dkdv_plan(launch))
+    run_dkdv(launch, dkdv_args)
+    drpb = drpb_launch = drpb_partial = None
     if has_rpb and want_drpb:
-        drpb = _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v, idx64)
-        drpb = drpb.reshape(rpb.shape).to(rpb.dtype)
+        drpb_launch, drpb_partial, atomic = _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic,
+                                                         q, k, v, idx64)
+        for lo, hi in _batch_chunks(b, hq):
+            target = drpb_partial if atomic else drpb_partial[lo * hq: hi * hq]
+            kernels.na_bwd_drpb_kernel[(drpb_launch.grid[0], (hi - lo) * hq)](
+                q4[lo:hi], k4[lo:hi], v4[lo:hi], table, do4[lo:hi], lse3[lo:hi], delta[lo:hi], target,
+                *drpb_launch.scalars, **drpb_launch.meta)
+        drpb = _drpb_total(drpb_partial, atomic, b, hq).reshape(rpb.shape).to(rpb.dtype)
+    pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
+    if d_lse is not None:
+        pairs += ((dlse, d_lse),)
+    if _same_memory(pairs) and len(_batch_chunks(b, hq)) == 1 and len(_BACKWARD) < MAX_DIRECT_PLANS:
+        def direct(kernel, args, heads):
+            programs, scalars, meta = args
+            return _Launch(kernel, (programs, b * heads), scalars, meta)
+
+        _BACKWARD[key] = _DirectBackward(
+            delta_launch, direct(kernels.na_bwd_dq_kernel, dq_args, hq), direct(kernels.na_bwd_dkdv_kernel,
+                                                                                dkdv_args, hkv),
+            drpb_launch, drpb_launch is not None and atomic, None if drpb_partial is None else tuple(drpb_partial.shape),
+            (b, n, hq, hkv, d, dv), _rpb_direct(rpb))
     spatial = q.shape[1:-2]
     return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
 
 
-def _delta(o4, do4, d_lse):
+def _delta_launch(o4, do4, has_dlse: bool) -> _Launch:
     """delta_i = sum_j P_ij dP_ij = rowsum(dO * O) - dlse_i (the lse gradient enters only here).
 
     One small kernel instead of float32 copies of O and dO, a product and a reduction (about
     0.8 ms of 1d-32k's backward on an H100 when done with PyTorch ops)."""
     b, n, h, dv = o4.shape
-    delta = torch.empty((b, n, h), dtype=torch.float32, device=o4.device)
-    dlse = d_lse.reshape(b, n, h).float().contiguous() if d_lse is not None else delta
     rows = b * n * h
     block_dv = max(16, triton.next_power_of_2(dv))
     block_rows = max(1, min(128, 8192 // block_dv))
-    kernels.na_bwd_delta_kernel[(triton.cdiv(rows, block_rows),)](
-        o4, do4, dlse, delta, rows, n, h, dv, *_strides(o4), *_strides(do4),
-        HAS_DLSE=d_lse is not None, BLOCK_ROWS=block_rows, BLOCK_DV=block_dv, num_warps=4,
-    )
-    return delta
+    return _Launch(kernels.na_bwd_delta_kernel, (triton.cdiv(rows, block_rows), 1),
+                   (rows, n, h, dv, *_strides(o4), *_strides(do4)),
+                   dict(HAS_DLSE=has_dlse, BLOCK_ROWS=block_rows, BLOCK_DV=block_dv, num_warps=4))
 
 
-def _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, deterministic, q, k, v, idx64):
+def _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic, q, k, v, idx64):
+    """The dRPB launch for the whole batch (one grid row per batch element and head), its zeroed
+    accumulator, and whether it adds with atomics."""
     b, hq, hkv = q4.shape[0], q4.shape[2], k4.shape[2]
     d, dv = q4.shape[-1], v4.shape[-1]
     n_rel = table.shape[1]
@@ -312,16 +408,17 @@ def _drpb(q4, k4, v4, table, do4, lse3, delta, common, params, scale, determinis
     tile = launch.outer_tile
     partial_bytes = b * hq * programs * n_rel * 4
     atomic = not deterministic and partial_bytes > DRPB_PARTIAL_BYTES
-    out = torch.zeros((hq, n_rel) if atomic else (b * hq, programs, n_rel), dtype=torch.float32, device=q4.device)
-    for lo, hi in _batch_chunks(b, hq):
-        target = out if atomic else out[lo * hq: hi * hq]
-        kernels.na_bwd_drpb_kernel[(programs, (hi - lo) * hq)](
-            q4[lo:hi], k4[lo:hi], v4[lo:hi], table, do4[lo:hi], lse3[lo:hi], delta[lo:hi], target,
-            *common, hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window,
-            CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], T0=tile[0], T1=tile[1], T2=tile[2],
-            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-            ATOMIC=atomic, IDX64=idx64, num_warps=launch.num_warps, num_stages=launch.num_stages,
-        )
+    partial = torch.zeros((hq, n_rel) if atomic else (b * hq, programs, n_rel), dtype=torch.float32,
+                          device=q4.device)
+    meta = dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], T0=tile[0], T1=tile[1], T2=tile[2],
+                BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+                ATOMIC=atomic, IDX64=idx64, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    scalars = (*common, hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
+    return _Launch(kernels.na_bwd_drpb_kernel, (programs, b * hq), scalars, meta), partial, atomic
+
+
+def _drpb_total(partial, atomic: bool, b: int, hq: int):
+    """dRPB [Hq, R]: the atomic accumulator as it is, or the per-program rows summed (deterministic)."""
     if atomic:
-        return out
-    return out.reshape(b, hq, programs, n_rel).sum(dim=(0, 2))
+        return partial
+    return partial.reshape(b, hq, -1, partial.shape[-1]).sum(dim=(0, 2))
