@@ -68,14 +68,20 @@ def main():
     kernel, grid, kargs, meta = captured["kernel"], captured["grid"], captured["args"], captured["meta"]
     qh, kh, vh = (t.transpose(1, 2).reshape(B, H, 196, D) for t in (q, k, v))
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    rpb_g = rpb.clone().requires_grad_()
+    qhg, khg, vhg = (t.detach().clone().requires_grad_() for t in (qh, kh, vh))
     g = torch.randn_like(q)
+    gh = torch.randn_like(qh)
     rows = [
         ("ops.na2d (fused, rpb)", lambda: ops.na2d(q, k, v, 7, rpb=rpb, backend="fused")),
         ("launch.forward", lambda: launch.forward(q, k, v, rpb, params, D ** -0.5)),
         ("bare Triton launch", lambda: kernel[grid](*kargs, **meta)),
-        ("ops.na2d fwd+bwd (fused, rpb)",
+        ("ops.na2d fwd+bwd (fused, trainable rpb)",
+         lambda: ops.na2d(qg, kg, vg, 7, rpb=rpb_g, backend="fused").backward(g)),
+        ("ops.na2d fwd+bwd (fused, frozen rpb: no dRPB kernel)",
          lambda: ops.na2d(qg, kg, vg, 7, rpb=rpb, backend="fused").backward(g)),
         ("sdpa", lambda: F.scaled_dot_product_attention(qh, kh, vh)),
+        ("sdpa fwd+bwd", lambda: F.scaled_dot_product_attention(qhg, khg, vhg).backward(gh)),
         ("torch.add", lambda: torch.add(qh, kh)),
     ]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -240,6 +240,17 @@ def test_repeated_calls_take_the_direct_path(dtype):
         assert len(launch._BACKWARD) == 1, "the first backward should have left a direct plan"
 
 
+def test_empty_launch_hook_chain_is_skipped():
+    """The direct launch passes no hook (and builds no launch metadata) for an empty hook chain, and
+    passes a chain with hooks (a profiler's) on."""
+    import triton
+
+    chain = triton.knobs.HookChain()
+    assert launch._hook(None) is None and launch._hook(chain) is None
+    chain.add(print)
+    assert launch._hook(chain) is chain and launch._hook(print) is print
+
+
 def test_inference_calls_skip_autograd_and_training_calls_do_not():
     """No input needs a gradient: no autograd node; one does: the eager autograd.Function, whose
     gradients match the oracle's (checked in depth by the random backward tests)."""

@@ -149,12 +149,18 @@ def _compiled_launch(plan: _Launch, tensors) -> bool:
         return False
     stream = triton.runtime.driver.active.get_current_stream(device)
     args = (*tensors, *plan.scalars, *plan.constexprs)
-    # launch hooks (profilers) get what Triton's own launch would give them
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    # launch hooks (profilers) get what Triton's own launch would give them; an empty hook chain
+    # (what Triton installs by default) is passed as None, which skips building the launch metadata
+    enter, leave = _hook(triton.knobs.runtime.launch_enter_hook), _hook(triton.knobs.runtime.launch_exit_hook)
     metadata = compiled.launch_metadata(plan.grid, stream, *args) if enter is not None else None
     compiled.run(plan.grid[0], plan.grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
                  enter, leave, *args)
     return True
+
+
+def _hook(hook):
+    """A launch hook, or None where it would call nothing (an empty ``HookChain``)."""
+    return None if hook is None or getattr(hook, "calls", None) == [] else hook
 
 
 def _remember_compiled(plan: _Launch, compiled, tensors) -> None:
