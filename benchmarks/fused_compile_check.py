@@ -87,6 +87,8 @@ def main(names):
             continue
         if fn is kernels.na_bwd_dkdv_kernel:
             constexprs = dict(constexprs, BISECT=12)
+        if fn is kernels.na_fwd_kernel:
+            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"])
         try:
             regs, spill, wgmma = compile_one(fn, constexprs, num_warps=warps, num_stages=stages)
             print(f"{name:24s} ok   regs={regs} spill_bytes={spill} wgmma={wgmma}", flush=True)

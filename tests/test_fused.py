@@ -240,6 +240,21 @@ def test_repeated_calls_take_the_direct_path(dtype):
         assert len(launch._BACKWARD) == 1, "the first backward should have left a direct plan"
 
 
+@pytest.mark.parametrize("scale", [0.7, -0.5, 0.0])
+@pytest.mark.parametrize("rpb", [False, True])
+def test_any_scale_sign(scale, rpb):
+    """A positive scale without RPB takes the forward's folded-scale path (row max before scaling);
+    negative and zero scales, and RPB, take the other.  Both against the oracle."""
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    q, k, v = (torch.randn(1, 7, 6, 2, 16, device=DEVICE, generator=gen) for _ in range(3))
+    bias = torch.randn(2, 5, 3, device=DEVICE, generator=gen) if rpb else None
+    out, lse = ops.na2d(q, k, v, (3, 2), dilation=(2, 1), rpb=bias, scale=scale, return_lse=True, backend="fused")
+    ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), (7, 6), (3, 2), (1, 1),
+                                        (2, 1), (False, False), rpb=None if bias is None else bias.double().cpu(),
+                                        scale=scale)
+    assert _rel_err(out, ref_out) < TOL[torch.float32] and _rel_err(lse, ref_lse) < TOL[torch.float32]
+
+
 def test_empty_launch_hook_chain_is_skipped():
     """The direct launch passes no hook (and builds no launch metadata) for an empty hook chain, and
     passes a chain with hooks (a profiler's) on."""

@@ -236,6 +236,8 @@ def _forward_full(q, k, v, rpb, params, scale, key):
         window, programs = _window_args(params, launch.outer_tile)
         meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb,
                            needs_int64(q4, k4, v4, out))
+        # the row max is taken before scaling, which needs a positive scale
+        meta["FOLD_SCALE"] = scale > 0 and not has_rpb
         scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), lse.stride(0), lse.stride(1),
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
         return programs, scalars, meta
