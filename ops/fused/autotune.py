@@ -8,7 +8,8 @@ follow from the problem through ``tiles.choose_tiles``.  Lookup order for a prob
    dims, heads, batch, RPB and device name;
 2. if tuning is on (``NAMODELS_FUSED_AUTOTUNE=1`` or ``set_autotune(True)``) and the inputs are on
    a GPU: time every candidate of the kernel on the real inputs (median of
-   ``triton.testing.do_bench``), keep the fastest, write it to the cache;
+   CUDA-graph replays, so small kernels are not timed at the host's launch speed), keep the
+   fastest, write it to the cache;
 3. otherwise the defaults table (by kernel and head dim).
 """
 from __future__ import annotations
@@ -199,9 +200,21 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable) -> Launch:
     return resolve(default_config(kernel, max(q.shape[-1], v.shape[-1])), params)
 
 
-def _tune(kernel, q, params, run, key):
+def _kernel_ms(fn) -> float:
+    """Median time of ``fn``'s kernels, replayed from a CUDA graph: timed launch by launch, a kernel
+    shorter than its ~50 us of host launch work is timed at the host's speed, and the tuner picked
+    worse tiles than the defaults on small maps that way (RESULTS.md, session 3).  Plain
+    ``do_bench`` where graph capture is not possible."""
     import triton.testing
 
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+    except Exception as err:  # noqa: BLE001  (capture unsupported here: time launch by launch)
+        log.debug("fused autotune: CUDA graph timing failed (%s); timing launch by launch", err)
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def _tune(kernel, q, params, run, key):
     seen, results = set(), []
     default = default_config(kernel, q.shape[-1])  # head dim of q/k sets the register budget
     for cfg in [default] + CANDIDATES[kernel]:
@@ -210,7 +223,7 @@ def _tune(kernel, q, params, run, key):
             continue
         seen.add(launch)
         try:
-            ms = triton.testing.do_bench(lambda: run(launch), warmup=10, rep=40, return_mode="median")
+            ms = _kernel_ms(lambda: run(launch))
         except Exception as err:  # e.g. out of shared memory for this shape: skip the candidate
             log.debug("fused autotune %s: %s failed: %s", kernel, launch, err)
             continue
