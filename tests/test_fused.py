@@ -144,6 +144,19 @@ def test_int64_index_path(monkeypatch):
     assert launch._PLANS and all(meta["IDX64"] for _, _, meta in launch._PLANS.values())
 
 
+@pytest.mark.parametrize("atomic", [False, True], ids=["partial-rows", "atomic"])
+def test_batch_chunks_and_drpb_modes(monkeypatch, atomic):
+    """More batch x heads than one grid row holds (launches split by batch) and both dRPB modes:
+    deterministic per-program rows, and atomics (used above DRPB_PARTIAL_BYTES when determinism is off)."""
+    from ops.fused import op
+
+    monkeypatch.setattr(launch, "MAX_GRID_Y", 4)  # 2 heads: two batch elements per launch
+    if atomic:
+        monkeypatch.setattr(op, "DRPB_DETERMINISTIC_DEFAULT", False)
+        monkeypatch.setattr(launch, "DRPB_PARTIAL_BYTES", 0)
+    _run(_fixed((6, 7), (3, 5), rpb=True, heads=2, heads_kv=1, batch=3), torch.float32, grads=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype):
     _run(_fixed((8, 10), (5, 3), d=(1, 2), rpb=True, heads=2, heads_kv=1, dim=32, dim_v=32), dtype, grads=True)

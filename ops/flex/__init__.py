@@ -146,9 +146,9 @@ def _run_flex(q, k, v, score_mod, block_mask, scale, gqa):
     use_compile = q.device.type == "cuda" or COMPILE_ON_CPU
     if not use_compile:
         return _run_flex_eager_cpu(q, k, v, score_mod, block_mask, scale, gqa)
-    if torch.compiler.is_compiling():  # the user's compiled model traces flex inline
-        return _call(_compiled_flex(), q, k, v, score_mod, block_mask, scale, gqa)
-    with _recompile_room():
+    # the user's compiled model traces flex inline: no dynamo limits to raise there
+    room = contextlib.nullcontext() if torch.compiler.is_compiling() else _recompile_room()
+    with room:
         return _call(_compiled_flex(), q, k, v, score_mod, block_mask, scale, gqa)
 
 

@@ -307,7 +307,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     if plan.drpb is not None:
         partial = torch.zeros(plan.drpb_buffer, dtype=torch.float32, device=dev)
         plan.drpb((q, k, v, table, d_out, lse, delta, partial))
-        drpb = _drpb_total(partial, plan.drpb_atomic, b, hq).reshape(rpb.shape).to(rpb.dtype)
+        drpb = _drpb_total(partial, plan.drpb_atomic).reshape(rpb.shape).to(rpb.dtype)
     return dq, dk, dvv, drpb
 
 
@@ -367,25 +367,24 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     if has_rpb and want_drpb:
         drpb_launch, drpb_partial, atomic = _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic,
                                                          q, k, v, idx64)
-        for lo, hi in _batch_chunks(b, hq):
-            target = drpb_partial if atomic else drpb_partial[lo * hq: hi * hq]
-            kernels.na_bwd_drpb_kernel[(drpb_launch.grid[0], (hi - lo) * hq)](
-                q4[lo:hi], k4[lo:hi], v4[lo:hi], table, do4[lo:hi], lse3[lo:hi], delta[lo:hi], target,
-                *drpb_launch.scalars, **drpb_launch.meta)
-        drpb = _drpb_total(drpb_partial, atomic, b, hq).reshape(rpb.shape).to(rpb.dtype)
+        _launch_chunks(kernels.na_bwd_drpb_kernel, drpb_launch.grid[0], hq, b,
+                       (q4, k4, v4, table, do4, lse3, delta, drpb_partial), drpb_launch.scalars, drpb_launch.meta)
+        drpb = _drpb_total(drpb_partial, atomic).reshape(rpb.shape).to(rpb.dtype)
     pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
     if d_lse is not None:
         pairs += ((dlse, d_lse),)
     if _same_memory(pairs) and len(_batch_chunks(b, hq)) == 1 and len(_BACKWARD) < MAX_DIRECT_PLANS:
-        def direct(kernel, args, heads):
-            programs, scalars, meta = args
-            return _Launch(kernel, (programs, b * heads), scalars, meta)
-
+        (dq_programs, dq_scalars, dq_meta), (dkdv_programs, dkdv_scalars, dkdv_meta) = dq_args, dkdv_args
         _BACKWARD[key] = _DirectBackward(
-            delta_launch, direct(kernels.na_bwd_dq_kernel, dq_args, hq), direct(kernels.na_bwd_dkdv_kernel,
-                                                                                dkdv_args, hkv),
-            drpb_launch, drpb_launch is not None and atomic, None if drpb_partial is None else tuple(drpb_partial.shape),
-            (b, n, hq, hkv, d, dv), _rpb_direct(rpb))
+            delta=delta_launch,
+            dq=_Launch(kernels.na_bwd_dq_kernel, (dq_programs, b * hq), dq_scalars, dq_meta),
+            dkdv=_Launch(kernels.na_bwd_dkdv_kernel, (dkdv_programs, b * hkv), dkdv_scalars, dkdv_meta),
+            drpb=drpb_launch,
+            drpb_atomic=drpb_launch is not None and atomic,
+            drpb_buffer=None if drpb_partial is None else tuple(drpb_partial.shape),
+            shapes=(b, n, hq, hkv, d, dv),
+            rpb_direct=_rpb_direct(rpb),
+        )
     spatial = q.shape[1:-2]
     return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
 
@@ -416,7 +415,9 @@ def _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic, q, k, 
     tile = launch.outer_tile
     partial_bytes = b * hq * programs * n_rel * 4
     atomic = not deterministic and partial_bytes > DRPB_PARTIAL_BYTES
-    partial = torch.zeros((hq, n_rel) if atomic else (b * hq, programs, n_rel), dtype=torch.float32,
+    # per-program rows as [B, H, programs, R]: batch chunks (_launch_chunks) slice it like q/k/v, and the
+    # kernel's row index (b * H + h) * programs + program addresses the same memory
+    partial = torch.zeros((hq, n_rel) if atomic else (b, hq, programs, n_rel), dtype=torch.float32,
                           device=q4.device)
     meta = dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], T0=tile[0], T1=tile[1], T2=tile[2],
                 BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
@@ -425,8 +426,6 @@ def _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic, q, k, 
     return _Launch(kernels.na_bwd_drpb_kernel, (programs, b * hq), scalars, meta), partial, atomic
 
 
-def _drpb_total(partial, atomic: bool, b: int, hq: int):
+def _drpb_total(partial, atomic: bool):
     """dRPB [Hq, R]: the atomic accumulator as it is, or the per-program rows summed (deterministic)."""
-    if atomic:
-        return partial
-    return partial.reshape(b, hq, -1, partial.shape[-1]).sum(dim=(0, 2))
+    return partial if atomic else partial.sum(dim=(0, 2))
