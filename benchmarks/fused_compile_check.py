@@ -4,21 +4,40 @@
 
 Uses Triton's ahead-of-time path (ASTSource + GPUTarget) and the ptxas bundled with Triton, so a
 compile failure or a register spill shows up here before any device time is spent.  The local
-Triton may be newer than the device's; a kernel that compiles here can still fail there.
+Triton may be newer than the device's; a kernel that compiles here can still fail there.  The
+kernels are loaded without importing ``ops`` (so no torch), which lets a separate environment with
+the device's Triton version run this file too.  ``tma_loads`` counts the bulk copies in the
+compiled kernel and ``smem_reshape`` whether the N-D tiles reach the matmul without a register trip.
 """
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import types
 
 os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FUSED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "fused")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from ops.fused import kernels  # noqa: E402
+
+def _load_kernels():
+    """ops/fused/kernels.py (and the window_jit it imports) as a package of their own."""
+    pkg = types.ModuleType("_fused_kernels")
+    pkg.__path__ = [FUSED_DIR]
+    sys.modules["_fused_kernels"] = pkg
+    for name in ("window_jit", "kernels"):
+        spec = importlib.util.spec_from_file_location(f"_fused_kernels.{name}", os.path.join(FUSED_DIR, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["_fused_kernels.kernels"]
+
+
+kernels = _load_kernels()
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -53,8 +72,10 @@ def compile_one(fn, constexprs, dtype="bf16", num_warps=4, num_stages=2):
                          text=True)
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spill = re.search(r"(\d+) bytes spill stores", out.stderr)
-    wgmma = "wgmma" in ptx
-    return int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None, wgmma
+    ttgir = compiled.asm["ttgir"]
+    extra = dict(wgmma="wgmma" in ptx, tma_loads=ttgir.count("async_tma_copy_global_to_local"),
+                 smem_reshape="memdesc_reshape" in ttgir)
+    return int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None, extra
 
 
 def window_constexprs(rank, q_tile, kv_tile, d, dv, rpb=False, causal=(False, False, False)):
@@ -68,6 +89,11 @@ CASES = {
     "fwd-2d-d32-rpb": (kernels.na_fwd_kernel, window_constexprs(2, (1, 8, 16), (1, 8, 8), 32, 32, True), 4, 3),
     "fwd-3d-d64-causal": (kernels.na_fwd_kernel,
                           window_constexprs(3, (2, 8, 8), (2, 4, 8), 64, 64, causal=(True, False, False)), 4, 3),
+    "fwd-1d-d128-tma": (kernels.na_fwd_kernel, window_constexprs(1, (1, 1, 128), (1, 1, 64), 128, 128), 8, 3, True),
+    "fwd-2d-d128-tma": (kernels.na_fwd_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 128, 128), 4, 3, True),
+    "fwd-3d-d128-tma": (kernels.na_fwd_kernel, window_constexprs(3, (2, 8, 8), (1, 2, 32), 128, 128), 8, 3, True),
+    "fwd-2d-d32-rpb-tma": (kernels.na_fwd_kernel, window_constexprs(2, (1, 8, 16), (1, 8, 8), 32, 32, True), 4, 3,
+                           True),
     "dq-1d-d128": (kernels.na_bwd_dq_kernel, window_constexprs(1, (1, 1, 64), (1, 1, 64), 128, 128), 4, 2),
     "dq-2d-d32-rpb": (kernels.na_bwd_dq_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 32, 32, True), 4, 2),
     "dkdv-1d-d128": (kernels.na_bwd_dkdv_kernel, window_constexprs(1, (1, 1, 64), (1, 1, 32), 128, 128), 8, 2),
@@ -82,16 +108,17 @@ CASES = {
 
 
 def main(names):
-    for name, (fn, constexprs, warps, stages) in CASES.items():
+    for name, (fn, constexprs, warps, stages, *tma) in CASES.items():
         if names and not any(n in name for n in names):
             continue
         if fn is kernels.na_bwd_dkdv_kernel:
             constexprs = dict(constexprs, BISECT=12)
         if fn is kernels.na_fwd_kernel:
-            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"])
+            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], TMA=bool(tma and tma[0]))
         try:
-            regs, spill, wgmma = compile_one(fn, constexprs, num_warps=warps, num_stages=stages)
-            print(f"{name:24s} ok   regs={regs} spill_bytes={spill} wgmma={wgmma}", flush=True)
+            regs, spill, extra = compile_one(fn, constexprs, num_warps=warps, num_stages=stages)
+            extra = " ".join(f"{k}={v}" for k, v in extra.items())
+            print(f"{name:24s} ok   regs={regs} spill_bytes={spill} {extra}", flush=True)
         except Exception as err:
             msg = str(err).strip().splitlines()
             print(f"{name:24s} FAIL {type(err).__name__}: {msg[-1] if msg else ''}", flush=True)

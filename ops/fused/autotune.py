@@ -1,7 +1,9 @@
 """Kernel configurations: a defaults table, an optional autotuner, and its on-disk cache.
 
-A configuration is (outer tile size, inner tile size, num_warps, num_stages); the N-D tile shapes
-follow from the problem through ``tiles.choose_tiles``.  Lookup order for a problem:
+A configuration is (outer tile size, inner tile size, num_warps, num_stages, tma); the N-D tile
+shapes follow from the problem through ``tiles.choose_tiles``.  ``tma`` (forward only) loads the key /
+value tiles as Hopper bulk copies where the GPU and the tensors allow it (``launch.tma_eligible``).
+Lookup order for a problem:
 
 1. the in-memory / on-disk cache (JSON at ``$NAMODELS_FUSED_CACHE``, default
    ``~/.cache/namodels/fused_tuning.json``), keyed by kernel, rank, sizes, window, dtype, head
@@ -36,6 +38,7 @@ class Config:
     inner: int
     num_warps: int
     num_stages: int
+    tma: bool = False
 
 
 # kernel -> list of (max head dim, default config); the first entry whose bound covers the head dim wins.
@@ -157,6 +160,7 @@ class Launch:
     inner_tile: tuple[int, int, int]
     num_warps: int
     num_stages: int
+    tma: bool = False
 
 
 @functools.lru_cache(maxsize=4096)
@@ -172,7 +176,7 @@ def resolve(cfg: Config, params) -> Launch:
     else:
         outer, inner = choose_tiles(axes, outer_size, total_size(tokens, cfg.inner))
     pad = (1,) * (3 - len(axes))
-    return Launch(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages)
+    return Launch(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages, cfg.tma)
 
 
 def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True) -> Launch:
@@ -192,7 +196,8 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable) -> Launch:
     key = problem_key(kernel, q, k, v, params, has_rpb)
     entry = _load().get(key)
     if entry is not None:
-        return Launch(tuple(entry["outer_tile"]), tuple(entry["inner_tile"]), entry["num_warps"], entry["num_stages"])
+        return Launch(tuple(entry["outer_tile"]), tuple(entry["inner_tile"]), entry["num_warps"], entry["num_stages"],
+                      entry.get("tma", False))
     if tunable and autotune_enabled() and q.is_cuda:
         launch = _tune(kernel, q, params, run, key)
         if launch is not None:

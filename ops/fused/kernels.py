@@ -127,6 +127,20 @@ def _mask_outside(x, fill, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, i
 
 
 @triton.jit
+def _group_descriptor(base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, stride_token, width,
+                      U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, BLOCK: tl.constexpr):
+    """A TMA descriptor over one dilation group of one (batch, head): a ``[Lg0, Lg1, Lg2, width]``
+    box array whose axis ``a`` steps ``D_a`` map positions.  A load of box ``(U0, U1, U2, BLOCK)``
+    is one bulk copy into shared memory; positions past the group (or ``width``) read as zeros,
+    which is what the pointer loads' masks gave."""
+    st = stride_token.to(tl.int64)
+    origin = ((g0 * L1 + g1) * L2 + g2).to(tl.int64) * st
+    return tl.make_tensor_descriptor(base + origin, shape=[Lg0, Lg1, Lg2, width],
+                                     strides=[D0 * L1 * L2 * st, D1 * L2 * st, D2 * st, 1],
+                                     block_shape=[U0, U1, U2, BLOCK])
+
+
+@triton.jit
 def _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2):
     """[rows, cols] flat index into rpb[h] of (query, key): the relative offset per axis is
     ``j' - i' + K - 1``; it splits into a row term and a column term.  Clamped so that pairs
@@ -153,7 +167,7 @@ def na_fwd_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, TMA: tl.constexpr,
 ):
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2)
     bh = tl.program_id(1)
@@ -183,6 +197,11 @@ def na_fwd_kernel(
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     c0, c1, c2 = _tile_coords(U0, U1, U2)
+    if TMA:  # K/V tiles as bulk copies (Hopper): no address or mask arithmetic per element
+        k_desc = _group_descriptor(Kp + k_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, HEAD_DIM,
+                                   U0, U1, U2, BLOCK_D)
+        v_desc = _group_descriptor(V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, svt, VALUE_DIM,
+                                   U0, U1, U2, BLOCK_DV)
 
     m_i = tl.full([T0 * T1 * T2], float("-inf"), tl.float32)
     l_i = tl.zeros([T0 * T1 * T2], tl.float32)
@@ -200,10 +219,16 @@ def na_fwd_kernel(
         kj0 = k0 + c0
         kj1 = k1 + c1
         kj2 = k2 + c2
-        k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
-        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-        k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+        if TMA:
+            k = k_desc.load([k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_D])
+            v = v_desc.load([k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_DV])
+        else:
+            k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
+            k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+            k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
+                        other=0.0)
         s = tl.dot(q, tl.trans(k))
         if FOLD_SCALE:  # scale > 0, no bias: max of the raw logits, the scale folded into exp2's FMA
             s_scale = qk_scale
@@ -220,7 +245,8 @@ def na_fwd_kernel(
         p = tl.math.exp2(s * s_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        # rescale, then accumulate in the matmul itself (no second accumulator and add)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
     out = acc / l_i[:, None]

@@ -76,6 +76,35 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
     )
 
 
+def tma_eligible(k4: torch.Tensor, v4: torch.Tensor) -> bool:
+    """Key/value tiles can be TMA bulk copies: a Hopper or newer GPU with 16-bit values (the
+    interpreter runs the same kernel code in any dtype), base pointers and batch / token / head strides
+    on 16-byte boundaries (the copy engine's rule; the descriptors step whole tokens)."""
+    if _interpreted():
+        return True
+    if not k4.is_cuda or torch.cuda.get_device_capability(k4.device)[0] < 9:
+        return False
+    if k4.dtype not in (torch.float16, torch.bfloat16) or v4.dtype != k4.dtype:
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:3])
+               for t in (k4, v4))
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Kernels that build TMA descriptors on the device write them to a global scratch buffer, which
+    Triton allocates per launch through ``triton.set_allocator``.  Installs one backed by torch's
+    caching allocator unless the caller set their own.  The setting is a ContextVar (per thread), so
+    this runs before every such launch: autograd's worker threads start without it."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
+
+
 def _batch_chunks(batch: int, heads: int):
     """Batch ranges whose B*H fits the grid's second dimension."""
     step = max(1, MAX_GRID_Y // heads)
@@ -184,6 +213,7 @@ class _DirectForward:
     out_shape: tuple
     lse_shape: tuple
     rpb_direct: bool
+    tma: bool
 
 
 _DIRECT: dict[tuple, _DirectForward] = {}
@@ -205,8 +235,9 @@ def _same_memory(pairs) -> bool:
 
 
 def _forward_key(q, k, v, rpb, params, scale):
+    # k / v alignment decides whether their tiles can be bulk copies (tma_eligible)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], q.dtype, q.device,
-            _rpb_layout(rpb), scale, autotune.state())
+            _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, autotune.state())
 
 
 def forward(q, k, v, rpb, params: NAParams, scale: float):
@@ -217,6 +248,8 @@ def forward(q, k, v, rpb, params: NAParams, scale: float):
         out = _empty(plan.out_shape, q.dtype, q.device)
         lse = _empty(plan.lse_shape, torch.float32, q.device)
         bias = (rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])) if rpb is not None else q
+        if plan.tma:
+            ensure_scratch_allocator()
         plan.launch((q, k, v, bias, out, lse))
         return out, lse
     return _forward_full(q, k, v, rpb, params, scale, key)
@@ -231,6 +264,7 @@ def _forward_full(q, k, v, rpb, params, scale, key):
     lse = _empty((b, n, hq), torch.float32, q.device)
     table = _rpb_table(rpb, hq)
     has_rpb = table is not None
+    tma_ok = tma_eligible(k4, v4)
 
     def scalars_and_meta(launch: autotune.Launch):
         window, programs = _window_args(params, launch.outer_tile)
@@ -238,6 +272,7 @@ def _forward_full(q, k, v, rpb, params, scale, key):
                            needs_int64(q4, k4, v4, out))
         # the row max is taken before scaling, which needs a positive scale
         meta["FOLD_SCALE"] = scale > 0 and not has_rpb
+        meta["TMA"] = launch.tma and tma_ok
         scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), lse.stride(0), lse.stride(1),
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
         return programs, scalars, meta
@@ -245,6 +280,8 @@ def _forward_full(q, k, v, rpb, params, scale, key):
     def run(launch: autotune.Launch, plan=None):
         programs, scalars, meta = plan or scalars_and_meta(launch)
         tensors = (q4, k4, v4, table if has_rpb else q4, out, lse)
+        if meta["TMA"]:
+            ensure_scratch_allocator()
         _launch_chunks(kernels.na_fwd_kernel, programs, hq, b, tensors, scalars, meta)
 
     launch = autotune.pick("fwd", q, k, v, params, has_rpb, run)
@@ -254,7 +291,7 @@ def _forward_full(q, k, v, rpb, params, scale, key):
             len(_DIRECT) < MAX_DIRECT_PLANS:
         spatial = tuple(q.shape[1:-2])
         _DIRECT[key] = _DirectForward(_Launch(kernels.na_fwd_kernel, (programs, b * hq), scalars, meta),
-                                      (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb))
+                                      (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb), meta["TMA"])
     spatial = q.shape[1:-2]
     return out.reshape(b, *spatial, hq, dv), lse.reshape(b, *spatial, hq)
 
