@@ -101,6 +101,11 @@ CASES = {
                         2),
     "dkdv-3d-d64-causal": (kernels.na_bwd_dkdv_kernel,
                            window_constexprs(3, (2, 4, 8), (2, 4, 8), 64, 64, causal=(True, False, False)), 4, 2),
+    "dq-2d-d128-tma": (kernels.na_bwd_dq_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 128, 128), 4, 2, True),
+    "dkdv-2d-d128-tma": (kernels.na_bwd_dkdv_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 128, 128), 4, 2,
+                         True),
+    "dkdv-3d-d128-tma": (kernels.na_bwd_dkdv_kernel, window_constexprs(3, (1, 2, 32), (2, 8, 8), 128, 128), 8, 2,
+                         True),
     "drpb-2d-d32": (kernels.na_bwd_drpb_kernel,
                     dict(CAUSAL0=False, CAUSAL1=False, CAUSAL2=False, T0=1, T1=8, T2=8, BLOCK_D=32, BLOCK_DV=32,
                          ATOMIC=False, IDX64=False), 4, 1),
@@ -114,7 +119,9 @@ def main(names):
         if fn is kernels.na_bwd_dkdv_kernel:
             constexprs = dict(constexprs, BISECT=12)
         if fn is kernels.na_fwd_kernel:
-            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], TMA=bool(tma and tma[0]))
+            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"])
+        if fn is not kernels.na_bwd_drpb_kernel:
+            constexprs = dict(constexprs, TMA=bool(tma and tma[0]))
         try:
             regs, spill, extra = compile_one(fn, constexprs, num_warps=warps, num_stages=stages)
             extra = " ".join(f"{k}={v}" for k, v in extra.items())

@@ -128,12 +128,24 @@ TILED_SLOW = [
 ]
 
 
+def _assert_tma_used(expected: bool):
+    """Every cached forward / backward launch took (or skipped) the TMA loads."""
+    assert launch._DIRECT and launch._BACKWARD
+    assert all(plan.launch.meta["TMA"] == expected for plan in launch._DIRECT.values())
+    assert all(plan.dq.meta["TMA"] == expected and plan.dkdv.meta["TMA"] == expected
+               for plan in launch._BACKWARD.values())
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma-loads"])
 @pytest.mark.parametrize("p", TILED + [pytest.param(p, marks=pytest.mark.slow) for p in TILED_SLOW],
                          ids=lambda p: f"{p.spatial}-K{p.kernel_size}")
-def test_small_tiles_forward_backward(p):
-    small = Config(16, 16, 4, 1)
+def test_small_tiles_forward_backward(p, tma):
+    """Both ways of loading the looped-over tiles: pointer tensors, and TMA descriptors per dilation
+    group (whose out-of-bounds zero fill replaces the masks; GQA heads as the descriptor's first axis)."""
+    small = Config(16, 16, 4, 1, tma)
     with autotune.forced(fwd=small, dq=small, dkdv=small, drpb=Config(16, 1, 4, 1)):
         _run(p, torch.float32, grads=True, seed=5)
+    _assert_tma_used(tma)
 
 
 def test_int64_index_path(monkeypatch):
@@ -157,9 +169,12 @@ def test_batch_chunks_and_drpb_modes(monkeypatch, atomic):
     _run(_fixed((6, 7), (3, 5), rpb=True, heads=2, heads_kv=1, batch=3), torch.float32, grads=True)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma-loads"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision(dtype):
-    _run(_fixed((8, 10), (5, 3), d=(1, 2), rpb=True, heads=2, heads_kv=1, dim=32, dim_v=32), dtype, grads=True)
+def test_half_precision(dtype, tma):
+    cfg = Config(16, 16, 4, 1, tma)
+    with autotune.forced(fwd=cfg, dq=cfg, dkdv=cfg):
+        _run(_fixed((8, 10), (5, 3), d=(1, 2), rpb=True, heads=2, heads_kv=1, dim=32, dim_v=32), dtype, grads=True)
 
 
 def test_additional_keys_merge_through_lse():
@@ -411,6 +426,46 @@ def test_gpu_random_problems(dtype, seed):
 def test_gpu_head_dims(dim):
     _run(_fixed((14, 18), (7, 5), d=(2, 1), rpb=True, heads=4, heads_kv=2, dim=dim, dim_v=dim), torch.bfloat16,
          grads=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("seed", range(2))
+def test_gpu_tma_loads(dtype, seed):
+    """TMA loads on random problems (any rank, stride, dilation, causal, RPB, GQA, head dims 8-128 that
+    pad to the descriptor box), tile shapes of the defaults; float32 must fall back to pointer loads."""
+    rng = random.Random(2000 + seed)
+    for rank in (1, 2, 3):
+        launch._DIRECT.clear()
+        launch._BACKWARD.clear()
+        p = random_problem(rng, rank=rank, max_tokens=600, max_dim=128)
+        p.dim, p.dim_v = max(p.dim, 8) // 8 * 8, max(p.dim_v, 8) // 8 * 8  # 16-byte token strides
+        for cfg in (Config(64, 64, 4, 3, True), Config(128, 32, 8, 2, True)):
+            with autotune.forced(fwd=cfg, dq=Config(64, 64, 4, 2, True), dkdv=Config(64, 32, 4, 2, True)):
+                _run(p, dtype, grads=True, seed=seed)
+        _assert_tma_used(dtype != torch.float32)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_tma_falls_back_on_misaligned_views():
+    """A view whose base is not 16-byte aligned cannot be a TMA source: the launch must use pointer
+    loads (and stay correct), and an aligned call of the same problem afterwards uses TMA again."""
+    p = _fixed((20, 24), (7, 9), rpb=True, heads=2, heads_kv=2, dim=64, dim_v=64)
+    q, k, v, _ = p.tensors(dtype=torch.bfloat16, device=DEVICE)
+    cfg = Config(64, 64, 4, 3, True)
+    with autotune.forced(fwd=cfg, dq=cfg, dkdv=cfg):
+        storage = torch.randn(k.numel() + 1, dtype=k.dtype, device=DEVICE)
+        k_odd = storage[1:].view(k.shape)  # 2-byte offset
+        k_odd.copy_(k)
+        ref = ops.neighborhood_attention(2, q.float(), k.float(), v.float(), **p.kwargs(), backend="naive")
+        out = ops.neighborhood_attention(2, q, k_odd, v, **p.kwargs(), backend="fused")
+        assert _rel_err(out, ref) < TOL[torch.bfloat16]
+        assert [plan.launch.meta["TMA"] for plan in launch._DIRECT.values()] == [False]
+        out = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), backend="fused")
+        assert _rel_err(out, ref) < TOL[torch.bfloat16]
+        assert sorted(plan.launch.meta["TMA"] for plan in launch._DIRECT.values()) == [False, True]
 
 
 @pytest.mark.gpu

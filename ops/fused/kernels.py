@@ -127,17 +127,17 @@ def _mask_outside(x, fill, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, i
 
 
 @triton.jit
-def _group_descriptor(base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, stride_token, width,
+def _group_descriptor(base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, stride_token, width, heads, stride_head,
                       U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, BLOCK: tl.constexpr):
-    """A TMA descriptor over one dilation group of one (batch, head): a ``[Lg0, Lg1, Lg2, width]``
-    box array whose axis ``a`` steps ``D_a`` map positions.  A load of box ``(U0, U1, U2, BLOCK)``
-    is one bulk copy into shared memory; positions past the group (or ``width``) read as zeros,
-    which is what the pointer loads' masks gave."""
+    """A TMA descriptor over one dilation group of ``heads`` consecutive heads of one batch element:
+    a ``[heads, Lg0, Lg1, Lg2, width]`` array whose axis ``a`` steps ``D_a`` map positions.  A load of
+    box ``(1, U0, U1, U2, BLOCK)`` is one bulk copy into shared memory; positions past the group (or
+    ``width``) read as zeros, which is what the pointer loads' masks gave."""
     st = stride_token.to(tl.int64)
     origin = ((g0 * L1 + g1) * L2 + g2).to(tl.int64) * st
-    return tl.make_tensor_descriptor(base + origin, shape=[Lg0, Lg1, Lg2, width],
-                                     strides=[D0 * L1 * L2 * st, D1 * L2 * st, D2 * st, 1],
-                                     block_shape=[U0, U1, U2, BLOCK])
+    return tl.make_tensor_descriptor(base + origin, shape=[heads, Lg0, Lg1, Lg2, width],
+                                     strides=[stride_head.to(tl.int64), D0 * L1 * L2 * st, D1 * L2 * st, D2 * st, 1],
+                                     block_shape=[1, U0, U1, U2, BLOCK])
 
 
 @triton.jit
@@ -198,9 +198,9 @@ def na_fwd_kernel(
     v_base = b.to(tl.int64) * svb + hk * svh
     c0, c1, c2 = _tile_coords(U0, U1, U2)
     if TMA:  # K/V tiles as bulk copies (Hopper): no address or mask arithmetic per element
-        k_desc = _group_descriptor(Kp + k_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, HEAD_DIM,
+        k_desc = _group_descriptor(Kp + k_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, HEAD_DIM, 1, skh,
                                    U0, U1, U2, BLOCK_D)
-        v_desc = _group_descriptor(V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, svt, VALUE_DIM,
+        v_desc = _group_descriptor(V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, svt, VALUE_DIM, 1, svh,
                                    U0, U1, U2, BLOCK_DV)
 
     m_i = tl.full([T0 * T1 * T2], float("-inf"), tl.float32)
@@ -220,8 +220,8 @@ def na_fwd_kernel(
         kj1 = k1 + c1
         kj2 = k2 + c2
         if TMA:
-            k = k_desc.load([k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_D])
-            v = v_desc.load([k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_DV])
+            k = k_desc.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_D])
+            v = v_desc.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_DV])
         else:
             k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
             k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
@@ -297,6 +297,7 @@ def na_bwd_dq_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # lse and delta share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2)
@@ -333,6 +334,11 @@ def na_bwd_dq_kernel(
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     c0, c1, c2 = _tile_coords(U0, U1, U2)
+    if TMA:
+        k_desc = _group_descriptor(Kp + k_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, HEAD_DIM, 1, skh,
+                                   U0, U1, U2, BLOCK_D)
+        v_desc = _group_descriptor(V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, svt, VALUE_DIM, 1, svh,
+                                   U0, U1, U2, BLOCK_DV)
     dq = tl.zeros([T0 * T1 * T2, BLOCK_D], tl.float32)
 
     n0 = tl.cdiv(hi0 - lo0, U0)
@@ -347,10 +353,16 @@ def na_bwd_dq_kernel(
         kj0 = k0 + c0
         kj1 = k1 + c1
         kj2 = k2 + c2
-        k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
-        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-        k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+        if TMA:
+            k = k_desc.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_D])
+            v = v_desc.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_DV])
+        else:
+            k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
+            k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+            k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
+                        other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_RPB:
             ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
@@ -383,7 +395,7 @@ def na_bwd_dkdv_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
-    BISECT: tl.constexpr,
+    BISECT: tl.constexpr, TMA: tl.constexpr,
 ):
     # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
     # dK/dV have their own strides (k/v may be strided views).  GQA: the query heads of this kv head are summed in the same loop.
@@ -427,6 +439,11 @@ def na_bwd_dkdv_kernel(
     n_tiles = n0 * n1 * n2
 
     r0, r1, r2 = _tile_coords(T0, T1, T2)
+    if TMA:  # the GROUP query heads of this kv head are the leading axis of the Q / dO descriptors
+        q_desc = _group_descriptor(Q + b.to(tl.int64) * sqb + hk * GROUP * sqh, g0, g1, g2, D0, D1, D2, L1, L2,
+                                   Lg0, Lg1, Lg2, sqt, HEAD_DIM, GROUP, sqh, T0, T1, T2, BLOCK_D)
+        do_desc = _group_descriptor(DO + b.to(tl.int64) * sdb + hk * GROUP * sdh, g0, g1, g2, D0, D1, D2, L1, L2,
+                                    Lg0, Lg1, Lg2, sdt, VALUE_DIM, GROUP, sdh, T0, T1, T2, BLOCK_DV)
     dk = tl.zeros([U0 * U1 * U2, BLOCK_D], tl.float32)
     dv = tl.zeros([U0 * U1 * U2, BLOCK_DV], tl.float32)
     for t in range(0, GROUP * n_tiles):
@@ -442,10 +459,14 @@ def na_bwd_dkdv_kernel(
         ok2, qc2, start2, stop2 = _axis_rows(q2, r2, Lg2, K2, S2, CAUSAL2)
         q_ok = ok0 & ok1 & ok2
         q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-        q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + q_tok[:, None] * sqt + offs_d[None, :],
-                    mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-        do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + q_tok[:, None] * sdt + offs_dv[None, :],
-                     mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
+        if TMA:
+            q = q_desc.load([h - hk * GROUP, q0, q1, q2, 0]).reshape([T0 * T1 * T2, BLOCK_D])
+            do = do_desc.load([h - hk * GROUP, q0, q1, q2, 0]).reshape([T0 * T1 * T2, BLOCK_DV])
+        else:
+            q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + q_tok[:, None] * sqt + offs_d[None, :],
+                        mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+            do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + q_tok[:, None] * sdt + offs_dv[None, :],
+                         mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
         l_off = b.to(tl.int64) * slb + q_tok * slt + h
         # Rows past the group end get lse = +inf: probability 0, so they add nothing to dK/dV.
         lse2 = tl.load(LSE + l_off, mask=q_ok, other=float("inf")).to(tl.float32) * 1.4426950408889634

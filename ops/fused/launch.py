@@ -76,18 +76,18 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
     )
 
 
-def tma_eligible(k4: torch.Tensor, v4: torch.Tensor) -> bool:
-    """Key/value tiles can be TMA bulk copies: a Hopper or newer GPU with 16-bit values (the
-    interpreter runs the same kernel code in any dtype), base pointers and batch / token / head strides
-    on 16-byte boundaries (the copy engine's rule; the descriptors step whole tokens)."""
+def tma_eligible(*tensors: torch.Tensor) -> bool:
+    """The tiles a kernel loops over (k/v for the forward and dQ, q/dO for dK/dV) can be TMA bulk
+    copies: a Hopper or newer GPU with 16-bit values (the interpreter runs the same kernel code in any
+    dtype), base pointers and batch / token / head strides on 16-byte boundaries (the copy engine's
+    rule; the descriptors step whole tokens and heads)."""
     if _interpreted():
         return True
-    if not k4.is_cuda or torch.cuda.get_device_capability(k4.device)[0] < 9:
+    first = tensors[0]
+    if not first.is_cuda or torch.cuda.get_device_capability(first.device)[0] < 9:
         return False
-    if k4.dtype not in (torch.float16, torch.bfloat16) or v4.dtype != k4.dtype:
-        return False
-    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:3])
-               for t in (k4, v4))
+    return all(t.dtype in (torch.float16, torch.bfloat16) and t.data_ptr() % 16 == 0 and
+               all(s * t.element_size() % 16 == 0 for s in t.stride()[:3]) for t in tensors)
 
 
 def _torch_scratch(size: int, alignment: int, stream):
@@ -310,6 +310,7 @@ class _DirectBackward:
     drpb_buffer: tuple  # shape of the dRPB accumulator (per-program partial rows unless atomic)
     shapes: tuple  # (B, N, Hq, Hkv, D, Dv)
     rpb_direct: bool
+    tma: bool
 
 
 _BACKWARD: dict[tuple, _DirectBackward] = {}
@@ -317,9 +318,10 @@ _BACKWARD: dict[tuple, _DirectBackward] = {}
 
 def _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb):
     d_lse_layout = None if d_lse is None else (d_lse.dtype, d_lse.stride())
+    alignment = tuple(t.data_ptr() % 16 for t in (q, k, v, d_out))  # decides TMA eligibility
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], out.stride(), d_out.stride(),
             d_out.dtype, lse.dtype, lse.stride(), d_lse_layout, q.dtype, q.device, _rpb_layout(rpb), scale,
-            deterministic, want_drpb, autotune.state())
+            deterministic, want_drpb, alignment, autotune.state())
 
 
 def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
@@ -337,6 +339,8 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     dk = _empty(k.shape, k.dtype, dev)
     dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
     table = (rpb if plan.rpb_direct else _rpb_table(rpb, hq)) if rpb is not None else q
+    if plan.tma:
+        ensure_scratch_allocator()
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
     plan.dq((q, k, v, table, d_out, lse, delta, dq))
     plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv))
@@ -367,10 +371,13 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     rpb_arg = table if has_rpb else q4
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     idx64 = needs_int64(q4, k4, v4, do4, o4)  # the gradients are contiguous: never larger offsets
+    dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4)
+    ensure_scratch_allocator()  # this may run in an autograd worker thread (a per-thread setting)
 
     def dq_plan(launch):
         window, programs = _window_args(params, launch.outer_tile)
         meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb, idx64)
+        meta["TMA"] = launch.tma and dq_tma_ok
         return programs, (*common, *_strides(dq), hq, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window), meta
 
     def run_dq(launch, plan=None):
@@ -383,6 +390,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         window, programs = _window_args(params, launch.outer_tile)
         meta = _constexprs(params, launch, launch.inner_tile, launch.outer_tile, d, dv, has_rpb, idx64)
         meta["BISECT"] = max(math.ceil(L / dil).bit_length() for L, dil in zip(params.spatial, params.dilation))
+        meta["TMA"] = launch.tma and dkdv_tma_ok
         scalars = (*common, *_strides(dk), *_strides(dvv), hkv, hq // hkv, d, dv, scale * kernels.LOG2E, scale,
                    *window)
         return programs, scalars, meta
@@ -393,7 +401,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         _launch_chunks(kernels.na_bwd_dkdv_kernel, programs, hkv, b, tensors, scalars, meta)
 
     shapes = (params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), do4.stride(), q.dtype,
-              has_rpb, scale)
+              has_rpb, scale, dq_tma_ok, dkdv_tma_ok)
     launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq)
     dq_args = _plan(("dq", launch, *shapes), lambda: dq_plan(launch))
     run_dq(launch, dq_args)
@@ -421,6 +429,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
             drpb_buffer=None if drpb_partial is None else tuple(drpb_partial.shape),
             shapes=(b, n, hq, hkv, d, dv),
             rpb_direct=_rpb_direct(rpb),
+            tma=dq_meta["TMA"] or dkdv_meta["TMA"],
         )
     spatial = q.shape[1:-2]
     return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
