@@ -65,6 +65,10 @@ CANDIDATES: dict[str, list[Config]] = {
              Config(128, 64, 8, 2), Config(128, 16, 8, 2)],
     "drpb": [Config(64, 1, 4, 1), Config(32, 1, 4, 1), Config(128, 1, 8, 1)],
 }
+# Every tile candidate also with TMA loads (used where the launch allows them, else the same as
+# without): they won on most large problems, lost on some 3-D backward tiles (RESULTS.md, session 5).
+for _kernel in ("fwd", "dq", "dkdv"):
+    CANDIDATES[_kernel] += [Config(c.outer, c.inner, c.num_warps, c.num_stages, True) for c in CANDIDATES[_kernel]]
 
 _lock = threading.Lock()
 _cache: dict[str, dict] | None = None
@@ -179,27 +183,29 @@ def resolve(cfg: Config, params) -> Launch:
     return Launch(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages, cfg.tma)
 
 
-def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True) -> Launch:
-    """Configuration for one kernel launch; ``run(launch)`` executes the kernel once (for tuning)."""
+def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True, tma: bool = False) -> Launch:
+    """Configuration for one kernel launch; ``run(launch)`` executes the kernel once (for tuning).
+    ``tma``: the launch can use TMA loads (else the tuner skips those candidates, which would run as
+    their pointer-load twins)."""
     if kernel in _forced:
         return resolve(_forced[kernel], params)
     # Host time matters for small problems: one dict lookup per launch once a problem was seen.
     memo_key = (kernel, params, q.dtype, tuple(q.shape), k.shape[-2], v.shape[-1], has_rpb, q.device,
-                tunable and autotune_enabled())
+                tunable and autotune_enabled(), tma)
     launch = _memo.get(memo_key)
     if launch is None:
-        launch = _memo[memo_key] = _pick(kernel, q, k, v, params, has_rpb, run, tunable)
+        launch = _memo[memo_key] = _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma)
     return launch
 
 
-def _pick(kernel, q, k, v, params, has_rpb, run, tunable) -> Launch:
+def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma) -> Launch:
     key = problem_key(kernel, q, k, v, params, has_rpb)
     entry = _load().get(key)
     if entry is not None:
         return Launch(tuple(entry["outer_tile"]), tuple(entry["inner_tile"]), entry["num_warps"], entry["num_stages"],
                       entry.get("tma", False))
     if tunable and autotune_enabled() and q.is_cuda:
-        launch = _tune(kernel, q, params, run, key)
+        launch = _tune(kernel, q, params, run, key, tma)
         if launch is not None:
             return launch
     return resolve(default_config(kernel, max(q.shape[-1], v.shape[-1])), params)
@@ -219,10 +225,12 @@ def _kernel_ms(fn) -> float:
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def _tune(kernel, q, params, run, key):
+def _tune(kernel, q, params, run, key, tma):
     seen, results = set(), []
     default = default_config(kernel, q.shape[-1])  # head dim of q/k sets the register budget
     for cfg in [default] + CANDIDATES[kernel]:
+        if cfg.tma and not tma:
+            continue
         launch = resolve(cfg, params)
         if launch in seen:
             continue

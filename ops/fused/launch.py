@@ -284,7 +284,7 @@ def _forward_full(q, k, v, rpb, params, scale, key):
             ensure_scratch_allocator()
         _launch_chunks(kernels.na_fwd_kernel, programs, hq, b, tensors, scalars, meta)
 
-    launch = autotune.pick("fwd", q, k, v, params, has_rpb, run)
+    launch = autotune.pick("fwd", q, k, v, params, has_rpb, run, tma=tma_ok)
     programs, scalars, meta = scalars_and_meta(launch)
     run(launch, (programs, scalars, meta))
     if _same_memory(((q4, q), (k4, k), (v4, v))) and len(_batch_chunks(b, hq)) == 1 and \
@@ -402,10 +402,10 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
 
     shapes = (params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), do4.stride(), q.dtype,
               has_rpb, scale, dq_tma_ok, dkdv_tma_ok)
-    launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq)
+    launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok)
     dq_args = _plan(("dq", launch, *shapes), lambda: dq_plan(launch))
     run_dq(launch, dq_args)
-    launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv)
+    launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok)
     dkdv_args = _plan(("dkdv", launch, *shapes), lambda: dkdv_plan(launch))
     run_dkdv(launch, dkdv_args)
     drpb = drpb_launch = drpb_partial = None
