@@ -229,10 +229,13 @@ def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log)
         else:
             fn = call
         t0 = time.time()
+        seen = _fused_choices() if name == "fused" else {}
         try:
             fn()  # first call: compile / autotune outside the timing
             torch.cuda.synchronize()
             first = time.time() - t0
+            if name == "fused":  # the tiles each kernel ran with (tuned or default), for the record
+                row.extra["launches"] = {key[0]: launch for key, launch in _fused_choices().items() if key not in seen}
             ms = _bench(fn, args.warmup, args.rep)
         except Exception as err:  # a backend that cannot run this problem: report, keep going
             row.note = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
@@ -326,6 +329,15 @@ def main(argv=None):
             write_results(args.out, env, rows)
     print(format_table(rows))
     return rows
+
+
+def _fused_choices() -> dict:
+    """The fused backend's configuration per (kernel, problem) chosen so far in this process."""
+    from dataclasses import asdict as as_dict
+
+    from .fused import autotune
+
+    return {key: as_dict(launch) for key, launch in autotune._memo.items()}
 
 
 def write_results(prefix: str, env: dict, rows: list[Row]) -> None:

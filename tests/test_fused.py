@@ -402,6 +402,22 @@ def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
     assert _rel_err(out, ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("tma", [False, True])
+def test_tuner_tries_tma_candidates_only_where_allowed(monkeypatch, tma):
+    """TMA candidates run as their pointer-load twins where a launch cannot use TMA (older GPU, float32,
+    unaligned views): the tuner must not time them there, and must time them where it can."""
+    timed = []
+    monkeypatch.setattr(autotune, "_kernel_ms", lambda fn: fn() or 1.0)
+    monkeypatch.setattr(autotune, "_store", lambda key, entry: None)
+    params = NAParams((64,), (9,), (1,), (1,), (False,))
+    q = torch.zeros(1, 64, 1, 32)
+    best = autotune._tune("fwd", q, params, run=timed.append, key="k", tma=tma)
+    assert best is not None
+    assert any(launch.tma for launch in timed) == tma
+    assert any(not launch.tma for launch in timed)
+    assert len(timed) == len(set(timed))
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU (run on the device machine: pytest -m gpu tests/test_fused.py)
 # ------------------------------------------------------------------------------------------------

@@ -46,10 +46,13 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
     # Winners of the tuner on an H100 (Triton 3.6, bf16; benchmarks/RESULTS.md, session 2): one
     # warpgroup (4 warps) on 64-row tiles beat 8 warps on 64 or 128 rows for every kernel, although
     # ptxas reports some spills for them at head dim 128.  Head dim 256 keeps small tiles.
-    "fwd": [(32, Config(32, 32, 4, 2)), (128, Config(64, 64, 4, 3)), (256, Config(64, 32, 8, 2))],
-    "dq": [(32, Config(64, 32, 4, 2)), (128, Config(64, 64, 4, 2)), (256, Config(32, 32, 8, 1))],
+    # TMA loads (session 5) won on the large head-dim-128 problems (2d-flux forward 15.7 -> 13.5 ms),
+    # but lost on the head-dim-32 NAT stage-1 maps (nat-s1 0.285 -> 0.385 ms: a short program pays for
+    # building its descriptors), so the head-dim-32 defaults keep pointer loads.
+    "fwd": [(32, Config(32, 32, 4, 2)), (128, Config(64, 64, 4, 3, True)), (256, Config(64, 32, 8, 2))],
+    "dq": [(32, Config(64, 32, 4, 2)), (128, Config(64, 64, 4, 2, True)), (256, Config(32, 32, 8, 1))],
     # dkdv: outer = key/value tile, inner = query tile.
-    "dkdv": [(32, Config(64, 32, 4, 2)), (128, Config(64, 64, 4, 2)), (256, Config(32, 32, 8, 1))],
+    "dkdv": [(32, Config(64, 32, 4, 2)), (128, Config(64, 64, 4, 2, True)), (256, Config(32, 32, 8, 1))],
     "drpb": [(256, Config(64, 1, 4, 1))],
 }
 
