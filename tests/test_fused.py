@@ -402,6 +402,18 @@ def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
     assert _rel_err(out, ref) < TOL[torch.float32]
 
 
+def test_default_tma_only_for_long_loops():
+    """The head-dim-128 defaults use TMA, except where a program loops over few tiles (descriptor set-up
+    would dominate): a 7x7 window on 56x56 keeps pointer loads, an 80x80 window uses TMA."""
+    small = NAParams((56, 56), (7, 7), (1, 1), (1, 1), (False, False))
+    large = NAParams((256, 256), (80, 80), (1, 1), (1, 1), (False, False))
+    for kernel in ("fwd", "dq", "dkdv"):
+        assert autotune.default_config(kernel, 128).tma
+        assert not autotune._default_launch(kernel, small, 128).tma
+        assert autotune._default_launch(kernel, large, 128).tma
+        assert not autotune._default_launch(kernel, large, 32).tma  # head dim 32: pointer loads
+
+
 @pytest.mark.parametrize("tma", [False, True])
 def test_tuner_tries_tma_candidates_only_where_allowed(monkeypatch, tma):
     """TMA candidates run as their pointer-load twins where a launch cannot use TMA (older GPU, float32,

@@ -17,6 +17,7 @@ Lookup order for a problem:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -25,7 +26,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .tiles import axes_of, choose_tiles, total_size
+from .tiles import axes_of, choose_tiles, loop_length, total_size
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,24 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma) -> Launch:
         launch = _tune(kernel, q, params, run, key, tma)
         if launch is not None:
             return launch
-    return resolve(default_config(kernel, max(q.shape[-1], v.shape[-1])), params)
+    return _default_launch(kernel, params, max(q.shape[-1], v.shape[-1]))
+
+
+# A program builds its TMA descriptors once, so TMA pays only over a long enough loop.  Measured on
+# an H100 with default tiles (RESULTS.md, session 5): a loop of 5 inner tiles (nat-s1) ran 35% slower
+# with TMA, 14 tiles (3d-causal) the same, 121 tiles (2d-flux) 12% faster.
+MIN_TMA_LOOP = 16
+
+
+def _default_launch(kernel: str, params, head_dim: int) -> Launch:
+    launch = resolve(default_config(kernel, head_dim), params)
+    if launch.tma:
+        outer, inner = launch.outer_tile, launch.inner_tile
+        axes = axes_of(params)
+        pad = 3 - len(axes)
+        if loop_length(axes, outer[pad:], inner[pad:]) < MIN_TMA_LOOP:
+            launch = dataclasses.replace(launch, tma=False)
+    return launch
 
 
 def _kernel_ms(fn) -> float:

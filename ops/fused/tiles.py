@@ -68,6 +68,11 @@ def choose_tiles(axes: list[Axis], outer_size: int, inner_size: int):
     return best[1], best[2]
 
 
+def loop_length(axes: list[Axis], outer: tuple, inner: tuple) -> int:
+    """Inner tiles one program visits (the cost model's span per axis over the inner tile side)."""
+    return math.prod(math.ceil(min(a.Lg, a.K + max(t - a.s, 0)) / u) for a, t, u in zip(axes, outer, inner))
+
+
 def pairs_computed(axes: list[Axis], outer: tuple, inner: tuple) -> int:
     """The cost model's count of (query, key) pairs (for reports and tests)."""
     return math.prod(_axis_cost(a, t, u) for a, t, u in zip(axes, outer, inner))
