@@ -145,7 +145,7 @@ def test_small_tiles_forward_backward(p, tma):
     small = Config(16, 16, 4, 1, tma)
     with autotune.forced(fwd=small, dq=small, dkdv=small, drpb=Config(16, 1, 4, 1)):
         _run(p, torch.float32, grads=True, seed=5)
-    _assert_tma_used(tma)
+    _assert_tma_used(tma and INTERPRETED)  # compiled, float32 takes pointer loads (TMA is for 16-bit inputs)
 
 
 def test_int64_index_path(monkeypatch):
@@ -175,6 +175,7 @@ def test_half_precision(dtype, tma):
     cfg = Config(16, 16, 4, 1, tma)
     with autotune.forced(fwd=cfg, dq=cfg, dkdv=cfg):
         _run(_fixed((8, 10), (5, 3), d=(1, 2), rpb=True, heads=2, heads_kv=1, dim=32, dim_v=32), dtype, grads=True)
+    _assert_tma_used(tma)
 
 
 def test_additional_keys_merge_through_lse():
