@@ -175,7 +175,8 @@ def test_half_precision(dtype, tma):
     cfg = Config(16, 16, 4, 1, tma)
     with autotune.forced(fwd=cfg, dq=cfg, dkdv=cfg):
         _run(_fixed((8, 10), (5, 3), d=(1, 2), rpb=True, heads=2, heads_kv=1, dim=32, dim_v=32), dtype, grads=True)
-    _assert_tma_used(tma)
+    if not INTERPRETED:  # the interpreter widens bfloat16 (no direct plans to inspect); the small-tile test covers it
+        _assert_tma_used(tma)
 
 
 def test_additional_keys_merge_through_lse():
