@@ -453,9 +453,12 @@ def test_gpu_random_problems(dtype, seed):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dim", [16, 64, 128, 256])
-def test_gpu_head_dims(dim):
-    _run(_fixed((14, 18), (7, 5), d=(2, 1), rpb=True, heads=4, heads_kv=2, dim=dim, dim_v=dim), torch.bfloat16,
-         grads=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_head_dims(dim, dtype):
+    """The default tiles of every head dim fit the GPU, in 16-bit and in float32 (twice the bytes per row)."""
+    _run(_fixed((14, 18), (7, 5), d=(2, 1), rpb=True, heads=4, heads_kv=2, dim=dim, dim_v=dim), dtype, grads=True)
+    # a window long enough for the TMA defaults (16-bit) at head dim 128
+    _run(_fixed((40, 48), (21, 23), heads=2, heads_kv=1, dim=dim, dim_v=dim), dtype, grads=True)
 
 
 @pytest.mark.gpu
@@ -472,6 +475,8 @@ def test_gpu_tma_loads(dtype, seed):
         p = random_problem(rng, rank=rank, max_tokens=600, max_dim=128)
         p.dim, p.dim_v = max(p.dim, 8) // 8 * 8, max(p.dim_v, 8) // 8 * 8  # 16-byte token strides
         cfg = Config(64, 64, 4, 3, True) if rank != 2 else Config(128, 32, 8, 2, True)
+        if dtype == torch.float32:  # tiles that fit shared memory at head dim 128 in float32
+            cfg = Config(32, 32, 4, 2, True)
         with autotune.forced(fwd=cfg, dq=Config(64, 64, 4, 2, True), dkdv=Config(64, 32, 4, 2, True)):
             _run(p, dtype, grads=True, seed=seed)
         _assert_tma_used(dtype != torch.float32)

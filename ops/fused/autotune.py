@@ -50,7 +50,10 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
     # TMA loads (session 5) won on the large head-dim-128 problems (2d-flux forward 15.7 -> 13.5 ms),
     # but lost on the head-dim-32 NAT stage-1 maps (nat-s1 0.285 -> 0.385 ms: a short program pays for
     # building its descriptors), so the head-dim-32 defaults keep pointer loads.
-    "fwd": [(32, Config(32, 32, 4, 2)), (128, Config(64, 64, 4, 3, True)), (256, Config(64, 32, 8, 2))],
+    # The bound is ``row_width``: float32 past head dim 64 counts double (its tiles take twice the shared
+    # memory; float32 at head dim 128 ran out of it with the 128 entry, session 5).
+    "fwd": [(32, Config(32, 32, 4, 2)), (128, Config(64, 64, 4, 3, True)), (256, Config(64, 32, 8, 2)),
+            (512, Config(32, 32, 8, 1))],
     "dq": [(32, Config(64, 32, 4, 2)), (128, Config(64, 64, 4, 2, True)), (256, Config(32, 32, 8, 1))],
     # dkdv: outer = key/value tile, inner = query tile.
     "dkdv": [(32, Config(64, 32, 4, 2)), (128, Config(64, 64, 4, 2, True)), (256, Config(32, 32, 8, 1))],
@@ -154,10 +157,17 @@ def problem_key(kernel: str, q, k, v, params, has_rpb: bool) -> str:
 
 
 def default_config(kernel: str, head_dim: int) -> Config:
+    """The defaults-table entry for a ``row_width``."""
     for bound, cfg in DEFAULTS[kernel]:
         if head_dim <= bound:
             return cfg
     return DEFAULTS[kernel][-1][1]
+
+
+def row_width(head_dim: int, dtype) -> int:
+    """The defaults-table key: the head dim, doubled for float32 rows wider than 64, whose tiles take
+    twice the shared memory (float32 up to 64 fits the 16-bit entries and keeps their tiles)."""
+    return head_dim * 2 if dtype.itemsize > 2 and head_dim > 64 else head_dim
 
 
 @dataclass(frozen=True)
@@ -212,7 +222,7 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma) -> Launch:
         launch = _tune(kernel, q, params, run, key, tma)
         if launch is not None:
             return launch
-    return _default_launch(kernel, params, max(q.shape[-1], v.shape[-1]))
+    return _default_launch(kernel, params, row_width(max(q.shape[-1], v.shape[-1]), q.dtype))
 
 
 # A program builds its TMA descriptors once, so TMA pays only over a long enough loop.  Measured on
@@ -248,7 +258,7 @@ def _kernel_ms(fn) -> float:
 
 def _tune(kernel, q, params, run, key, tma):
     seen, results = set(), []
-    default = default_config(kernel, q.shape[-1])  # head dim of q/k sets the register budget
+    default = default_config(kernel, row_width(q.shape[-1], q.dtype))  # q/k rows set the register budget
     for cfg in [default] + CANDIDATES[kernel]:
         if cfg.tma and not tma:
             continue
