@@ -141,6 +141,40 @@ def _group_descriptor(base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, strid
 
 
 @triton.jit
+def _kv_sources(k_ptr, v_ptr, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh, svh, HEAD_DIM, VALUE_DIM,
+                U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                TMA: tl.constexpr):
+    """Where the loop's K/V tiles come from: group descriptors (``TMA``: bulk copies, no address or mask
+    arithmetic per element), else the K/V pointers of this batch element and head."""
+    if TMA:
+        k_src = _group_descriptor(k_ptr, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, HEAD_DIM, 1, skh,
+                                  U0, U1, U2, BLOCK_D)
+        v_src = _group_descriptor(v_ptr, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, svt, VALUE_DIM, 1, svh,
+                                  U0, U1, U2, BLOCK_DV)
+    else:
+        k_src = k_ptr
+        v_src = v_ptr
+    return k_src, v_src
+
+
+@triton.jit
+def _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2, skt, svt,
+             offs_d, offs_dv, d_ok, dv_ok, U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr):
+    """The K and V tiles of the box at group coordinates (k0, k1, k2), flattened to [U0 * U1 * U2, BLOCK]
+    rows (keys past the group read as zeros either way)."""
+    if TMA:
+        k = k_src.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_D])
+        v = v_src.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_DV])
+    else:
+        k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
+        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+        k = tl.load(k_src + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_src + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2):
     """[rows, cols] flat index into rpb[h] of (query, key): the relative offset per axis is
     ``j' - i' + K - 1``; it splits into a row term and a column term.  Clamped so that pairs
@@ -197,11 +231,8 @@ def na_fwd_kernel(
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     c0, c1, c2 = _tile_coords(U0, U1, U2)
-    if TMA:  # K/V tiles as bulk copies (Hopper): no address or mask arithmetic per element
-        k_desc = _group_descriptor(Kp + k_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, HEAD_DIM, 1, skh,
-                                   U0, U1, U2, BLOCK_D)
-        v_desc = _group_descriptor(V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, svt, VALUE_DIM, 1, svh,
-                                   U0, U1, U2, BLOCK_DV)
+    k_src, v_src = _kv_sources(Kp + k_base, V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh,
+                               svh, HEAD_DIM, VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA)
 
     m_i = tl.full([T0 * T1 * T2], float("-inf"), tl.float32)
     l_i = tl.zeros([T0 * T1 * T2], tl.float32)
@@ -219,16 +250,8 @@ def na_fwd_kernel(
         kj0 = k0 + c0
         kj1 = k1 + c1
         kj2 = k2 + c2
-        if TMA:
-            k = k_desc.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_D])
-            v = v_desc.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_DV])
-        else:
-            k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
-            k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-            k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
-                        other=0.0)
+        k, v = _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2,
+                        skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
         s = tl.dot(q, tl.trans(k))
         if FOLD_SCALE:  # scale > 0, no bias: max of the raw logits, the scale folded into exp2's FMA
             s_scale = qk_scale
@@ -334,11 +357,8 @@ def na_bwd_dq_kernel(
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     c0, c1, c2 = _tile_coords(U0, U1, U2)
-    if TMA:
-        k_desc = _group_descriptor(Kp + k_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, HEAD_DIM, 1, skh,
-                                   U0, U1, U2, BLOCK_D)
-        v_desc = _group_descriptor(V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, svt, VALUE_DIM, 1, svh,
-                                   U0, U1, U2, BLOCK_DV)
+    k_src, v_src = _kv_sources(Kp + k_base, V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh,
+                               svh, HEAD_DIM, VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA)
     dq = tl.zeros([T0 * T1 * T2, BLOCK_D], tl.float32)
 
     n0 = tl.cdiv(hi0 - lo0, U0)
@@ -353,16 +373,8 @@ def na_bwd_dq_kernel(
         kj0 = k0 + c0
         kj1 = k1 + c1
         kj2 = k2 + c2
-        if TMA:
-            k = k_desc.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_D])
-            v = v_desc.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_DV])
-        else:
-            k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
-            k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-            k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
-                        other=0.0)
+        k, v = _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2,
+                        skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_RPB:
             ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
