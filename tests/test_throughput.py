@@ -422,3 +422,47 @@ def test_timed_steps_pause_the_garbage_collector(keep_gc):
     assert seen[0] is True  # the warm-up step runs as usual
     assert seen[1:] == [keep_gc] * 3
     assert gc.isenabled()
+
+
+def _compose_ops(overrides):
+    pytest.importorskip("hydra")
+    from hydra import compose, initialize_config_dir
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with initialize_config_dir(config_dir=os.path.join(root, "configs"), version_base="1.3"):
+        return compose("eval", overrides=["task=ops", "paths.output_dir=/tmp/opsbench", *overrides],
+                       return_hydra_config=False)
+
+
+def test_ops_task_maps_to_the_op_benchmark_flags(capsys):
+    """``eval.py task=ops`` passes its settings to ``ops.bench`` as that tool's own flags, which its parser accepts."""
+    from namodels.tasks.op_bench import argv_from_config
+
+    cfg = _compose_ops(["task.problems=[2d-flux,nat-s1]", "task.backward=true", "task.autotune=true",
+                        "task.check=8", "task.rep=20", "task.backends=[fused,flex]",
+                        "task.custom=['mine:2,8,64,64x64,13x13,1,1,0']"])
+    assert cfg.task.stage == "eval" and cfg.task.run._target_ == "namodels.tasks.op_bench.run"
+    argv = argv_from_config(cfg.task)
+    assert argv[:4] == ["--problems", "2d-flux,nat-s1", "--backends", "fused,flex"]
+    assert "--backward" in argv and "--autotune" in argv
+    assert argv[argv.index("--custom") + 1] == "mine:2,8,64,64x64,13x13,1,1,0"
+    assert argv[argv.index("--out") + 1] == "/tmp/opsbench/ops"
+    assert argv[argv.index("--check") + 1] == "8" and argv[argv.index("--rep") + 1] == "20"
+    default = argv_from_config(_compose_ops([]).task)
+    assert default[:4] == ["--problems", "all", "--backends", "fused,flex,naive"] and "--backward" not in default
+    if not torch.cuda.is_available():  # ops.bench parses its flags first, then stops for want of a GPU
+        from ops import bench
+
+        for args in (argv, default):
+            with pytest.raises(SystemExit):
+                bench.main(args)
+            err = capsys.readouterr().err
+            assert "needs a CUDA device" in err and "unrecognized" not in err and "invalid" not in err
+
+
+def test_ops_task_without_a_gpu_says_so(monkeypatch):
+    from namodels.tasks import op_bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="task=ops.*CUDA"):
+        op_bench.run(_compose_ops([]))
