@@ -372,7 +372,8 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     idx64 = needs_int64(q4, k4, v4, do4, o4)  # the gradients are contiguous: never larger offsets
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4)
-    ensure_scratch_allocator()  # this may run in an autograd worker thread (a per-thread setting)
+    if dq_tma_ok or dkdv_tma_ok:
+        ensure_scratch_allocator()  # this may run in an autograd worker thread (a per-thread setting)
 
     def dq_plan(launch):
         window, programs = _window_args(params, launch.outer_tile)
