@@ -421,7 +421,7 @@ def test_default_tma_only_for_long_loops():
 @pytest.mark.parametrize("tma", [False, True])
 def test_tuner_tries_tma_candidates_only_where_allowed(monkeypatch, tma):
     """TMA candidates run as their pointer-load twins where a launch cannot use TMA (older GPU, float32,
-    unaligned views): the tuner must not time them there, and must time them where it can."""
+    unaligned views): the tuner must time only the twins there (each once), and the TMA ones where it can."""
     timed = []
     monkeypatch.setattr(autotune, "_kernel_ms", lambda fn: fn() or 1.0)
     monkeypatch.setattr(autotune, "_store", lambda key, entry: None)

@@ -1,8 +1,9 @@
 """Kernel configurations: a defaults table, an optional autotuner, and its on-disk cache.
 
 A configuration is (outer tile size, inner tile size, num_warps, num_stages, tma); the N-D tile
-shapes follow from the problem through ``tiles.choose_tiles``.  ``tma`` (forward only) loads the key /
-value tiles as Hopper bulk copies where the GPU and the tensors allow it (``launch.tma_eligible``).
+shapes follow from the problem through ``tiles.choose_tiles``.  ``tma`` loads the tiles a kernel loops
+over (K/V in the forward and dQ, Q/dO in dK/dV) as Hopper bulk copies where the GPU and the tensors
+allow it (``launch.tma_eligible``); elsewhere the same configuration runs with pointer loads.
 Lookup order for a problem:
 
 1. the in-memory / on-disk cache (JSON at ``$NAMODELS_FUSED_CACHE``, default
@@ -231,8 +232,9 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma) -> Launch:
 MIN_TMA_LOOP = 16
 
 
-def _default_launch(kernel: str, params, head_dim: int) -> Launch:
-    launch = resolve(default_config(kernel, head_dim), params)
+def _default_launch(kernel: str, params, width: int) -> Launch:
+    """The defaults-table launch for a ``row_width``, without TMA where a program's loop is short."""
+    launch = resolve(default_config(kernel, width), params)
     if launch.tma:
         outer, inner = launch.outer_tile, launch.inner_tile
         axes = axes_of(params)
@@ -260,8 +262,8 @@ def _tune(kernel, q, params, run, key, tma):
     seen, results = set(), []
     default = default_config(kernel, row_width(q.shape[-1], q.dtype))  # q/k rows set the register budget
     for cfg in [default] + CANDIDATES[kernel]:
-        if cfg.tma and not tma:
-            continue
+        if cfg.tma and not tma:  # would run as its pointer-load twin: time that one (once)
+            cfg = dataclasses.replace(cfg, tma=False)
         launch = resolve(cfg, params)
         if launch in seen:
             continue

@@ -17,6 +17,9 @@ Conventions shared by every kernel (see ``ops/fused/launch.py`` for the host sid
   first box; a tile inside the second box needs no mask (the common case for large windows).
 * Softmax runs in base 2: logits are multiplied by ``scale * log2(e)`` (RPB by ``log2(e)``);
   ``lse`` is stored in natural log.
+* ``TMA`` (constexpr): the tiles a loop visits (K/V, or Q/dO in dK/dV) come from device-side TMA
+  descriptors, one per dilation group (``_group_descriptor``), instead of pointer tensors; the host
+  sets it only where the GPU and the tensors allow it (``launch.tma_eligible``).
 """
 import triton
 import triton.language as tl
