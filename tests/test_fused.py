@@ -406,6 +406,29 @@ def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
     assert _rel_err(out, ref) < TOL[torch.float32]
 
 
+def test_tma_launch_installs_a_scratch_allocator_in_its_thread():
+    """Triton's allocator is per thread (autograd runs the backward in worker threads): a launch with TMA
+    loads installs one in the thread that launches it, a launch without TMA leaves the thread alone."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    p = _fixed((20,), 5, heads=1)
+    q, k, v, _ = p.tensors(dtype=torch.float32, device=DEVICE)
+    seen = {}
+
+    def launch_in_fresh_thread(tma):
+        with autotune.forced(fwd=Config(16, 16, 4, 1, tma)):
+            ops.na1d(q, k, v, 5, backend="fused")
+        seen[tma] = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+
+    for tma in (False, True):
+        worker = threading.Thread(target=launch_in_fresh_thread, args=(tma,))
+        worker.start()
+        worker.join()
+    assert seen == {False: True, True: False}
+
+
 def test_default_tma_only_for_long_loops():
     """The head-dim-128 defaults use TMA, except where a program loops over few tiles (descriptor set-up
     would dominate): a 7x7 window on 56x56 keeps pointer loads, an 80x80 window uses TMA."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ def run(cfg):
 
     argv = argv_from_config(cfg.task)
     if cfg.task.get("out"):
-        import os
-
         os.makedirs(os.path.dirname(str(cfg.task.out)) or ".", exist_ok=True)
     log.info("python -m ops.bench %s", " ".join(argv))
     return bench.main(argv)

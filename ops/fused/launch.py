@@ -94,11 +94,14 @@ def _torch_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def ensure_scratch_allocator() -> None:
-    """Kernels that build TMA descriptors on the device write them to a global scratch buffer, which
-    Triton allocates per launch through ``triton.set_allocator``.  Installs one backed by torch's
-    caching allocator unless the caller set their own.  The setting is a ContextVar (per thread), so
-    this runs before every such launch: autograd's worker threads start without it."""
+def ensure_scratch_allocator(meta: dict) -> None:
+    """Kernels that build TMA descriptors on the device (``meta["TMA"]``) write them to a global scratch
+    buffer, which Triton allocates per launch through ``triton.set_allocator``.  Installs one backed by
+    torch's caching allocator unless the caller set their own.  The setting is a ContextVar (per
+    thread), so both launch paths below run this before every launch: autograd's worker threads start
+    without it."""
+    if not meta.get("TMA"):
+        return
     from triton.runtime import _allocation
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
@@ -134,6 +137,7 @@ def _plan(key: tuple, build):
 
 def _launch_chunks(kernel, programs, heads, batch, tensors, scalars, meta):
     """Launches ``kernel`` over batch chunks whose B*H fits the grid (one launch in the common case)."""
+    ensure_scratch_allocator(meta)
     chunks = _batch_chunks(batch, heads)
     if len(chunks) == 1:
         kernel[(programs, batch * heads)](*tensors, *scalars, **meta)
@@ -161,6 +165,7 @@ class _Launch:
     device: int = -1
 
     def __call__(self, tensors) -> None:
+        ensure_scratch_allocator(self.meta)
         if _compiled_launch(self, tensors):
             return
         compiled = self.kernel[self.grid](*tensors, *self.scalars, **self.meta)
@@ -213,7 +218,6 @@ class _DirectForward:
     out_shape: tuple
     lse_shape: tuple
     rpb_direct: bool
-    tma: bool
 
 
 _DIRECT: dict[tuple, _DirectForward] = {}
@@ -248,8 +252,6 @@ def forward(q, k, v, rpb, params: NAParams, scale: float):
         out = _empty(plan.out_shape, q.dtype, q.device)
         lse = _empty(plan.lse_shape, torch.float32, q.device)
         bias = (rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])) if rpb is not None else q
-        if plan.tma:
-            ensure_scratch_allocator()
         plan.launch((q, k, v, bias, out, lse))
         return out, lse
     return _forward_full(q, k, v, rpb, params, scale, key)
@@ -280,8 +282,6 @@ def _forward_full(q, k, v, rpb, params, scale, key):
     def run(launch: autotune.Launch, plan=None):
         programs, scalars, meta = plan or scalars_and_meta(launch)
         tensors = (q4, k4, v4, table if has_rpb else q4, out, lse)
-        if meta["TMA"]:
-            ensure_scratch_allocator()
         _launch_chunks(kernels.na_fwd_kernel, programs, hq, b, tensors, scalars, meta)
 
     launch = autotune.pick("fwd", q, k, v, params, has_rpb, run, tma=tma_ok)
@@ -291,7 +291,7 @@ def _forward_full(q, k, v, rpb, params, scale, key):
             len(_DIRECT) < MAX_DIRECT_PLANS:
         spatial = tuple(q.shape[1:-2])
         _DIRECT[key] = _DirectForward(_Launch(kernels.na_fwd_kernel, (programs, b * hq), scalars, meta),
-                                      (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb), meta["TMA"])
+                                      (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb))
     spatial = q.shape[1:-2]
     return out.reshape(b, *spatial, hq, dv), lse.reshape(b, *spatial, hq)
 
@@ -310,7 +310,6 @@ class _DirectBackward:
     drpb_buffer: tuple  # shape of the dRPB accumulator (per-program partial rows unless atomic)
     shapes: tuple  # (B, N, Hq, Hkv, D, Dv)
     rpb_direct: bool
-    tma: bool
 
 
 _BACKWARD: dict[tuple, _DirectBackward] = {}
@@ -339,8 +338,6 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     dk = _empty(k.shape, k.dtype, dev)
     dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
     table = (rpb if plan.rpb_direct else _rpb_table(rpb, hq)) if rpb is not None else q
-    if plan.tma:
-        ensure_scratch_allocator()
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
     plan.dq((q, k, v, table, d_out, lse, delta, dq))
     plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv))
@@ -372,8 +369,6 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     idx64 = needs_int64(q4, k4, v4, do4, o4)  # the gradients are contiguous: never larger offsets
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4)
-    if dq_tma_ok or dkdv_tma_ok:
-        ensure_scratch_allocator()  # this may run in an autograd worker thread (a per-thread setting)
 
     def dq_plan(launch):
         window, programs = _window_args(params, launch.outer_tile)
@@ -430,7 +425,6 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
             drpb_buffer=None if drpb_partial is None else tuple(drpb_partial.shape),
             shapes=(b, n, hq, hkv, d, dv),
             rpb_direct=_rpb_direct(rpb),
-            tma=dq_meta["TMA"] or dkdv_meta["TMA"],
         )
     spatial = q.shape[1:-2]
     return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
