@@ -106,6 +106,8 @@ CASES = {
                          True),
     "dkdv-3d-d128-tma": (kernels.na_bwd_dkdv_kernel, window_constexprs(3, (1, 2, 32), (2, 8, 8), 128, 128), 8, 2,
                          True),
+    "dkdv-3d-d128-tma-w4": (kernels.na_bwd_dkdv_kernel, window_constexprs(3, (1, 2, 32), (2, 4, 8), 128, 128), 4, 2,
+                            True),
     "drpb-2d-d32": (kernels.na_bwd_drpb_kernel,
                     dict(CAUSAL0=False, CAUSAL1=False, CAUSAL2=False, T0=1, T1=8, T2=8, BLOCK_D=32, BLOCK_DV=32,
                          ATOMIC=False, IDX64=False), 4, 1),
@@ -117,7 +119,8 @@ def main(names):
         if names and not any(n in name for n in names):
             continue
         if fn is kernels.na_bwd_dkdv_kernel:
-            constexprs = dict(constexprs, BISECT=12)
+            rows = constexprs["T0"] * constexprs["T1"] * constexprs["T2"]
+            constexprs = dict(constexprs, BISECT=12, QUERY_ROWS=rows >= 64)
         if fn is kernels.na_fwd_kernel:
             constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"])
         if fn is not kernels.na_bwd_drpb_kernel:

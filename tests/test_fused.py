@@ -141,13 +141,17 @@ def _assert_tma_used(expected: bool):
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma-loads"])
 @pytest.mark.parametrize("p", TILED + [pytest.param(p, marks=pytest.mark.slow) for p in TILED_SLOW],
                          ids=lambda p: f"{p.spatial}-K{p.kernel_size}")
-def test_small_tiles_forward_backward(p, tma):
+@pytest.mark.parametrize("query_rows", [False, True], ids=["dkdv-key-rows", "dkdv-query-rows"])
+def test_small_tiles_forward_backward(p, tma, query_rows, monkeypatch):
     """Both ways of loading the looped-over tiles: pointer tensors, and TMA descriptors per dilation
-    group (whose out-of-bounds zero fill replaces the masks; GQA heads as the descriptor's first axis)."""
+    group (whose out-of-bounds zero fill replaces the masks; GQA heads as the descriptor's first axis);
+    and both matmul orientations of dK/dV (keys or queries as the rows)."""
+    monkeypatch.setattr(launch, "DKDV_QUERY_ROWS_FROM", 1 if query_rows else 1 << 30)
     small = Config(16, 16, 4, 1, tma)
     with autotune.forced(fwd=small, dq=small, dkdv=small, drpb=Config(16, 1, 4, 1)):
         _run(p, torch.float32, grads=True, seed=5)
     _assert_tma_used(tma and INTERPRETED)  # compiled, float32 takes pointer loads (TMA is for 16-bit inputs)
+    assert all(plan.dkdv.meta["QUERY_ROWS"] == query_rows for plan in launch._BACKWARD.values())
 
 
 def test_int64_index_path(monkeypatch):

@@ -410,7 +410,7 @@ def na_bwd_dkdv_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
-    BISECT: tl.constexpr, TMA: tl.constexpr,
+    BISECT: tl.constexpr, TMA: tl.constexpr, QUERY_ROWS: tl.constexpr,
 ):
     # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
     # dK/dV have their own strides (k/v may be strided views).  GQA: the query heads of this kv head are summed in the same loop.
@@ -438,8 +438,10 @@ def na_bwd_dkdv_kernel(
     dv_ok = offs_dv < VALUE_DIM
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
-    k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-    v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+    k_src, v_src = _kv_sources(Kp + k_base, V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh,
+                               svh, HEAD_DIM, VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA)
+    k, v = _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2,
+                    skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
 
     # Inverse neighborhood: queries whose windows reach any key of this tile, per axis.
     ql0 = first_query_reaching(k0, Lg0, K0, S0, CAUSAL0, BISECT)
@@ -487,21 +489,39 @@ def na_bwd_dkdv_kernel(
         lse2 = tl.load(LSE + l_off, mask=q_ok, other=float("inf")).to(tl.float32) * 1.4426950408889634
         delta = tl.load(DELTA + l_off, mask=q_ok, other=0.0).to(tl.float32)
 
-        st = tl.dot(k, tl.trans(q)) * qk_scale  # [keys, queries]
-        if HAS_RPB:
-            ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
-            bias = tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx)
-            st += tl.trans(bias) * 1.4426950408889634
-        pt = tl.math.exp2(st - lse2[None, :])
         _, _, in_lo0, in_hi0 = _axis_span(q0, T0, Lg0, K0, S0, CAUSAL0)
         _, _, in_lo1, in_hi1 = _axis_span(q1, T1, Lg1, K1, S1, CAUSAL1)
         _, _, in_lo2, in_hi2 = _axis_span(q2, T2, Lg2, K2, S2, CAUSAL2)
-        pt = _mask_outside(pt, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                           start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1, True)
-        dv += tl.dot(pt.to(do.dtype), do)
-        dpt = tl.dot(v, tl.trans(do))
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q)
+        if QUERY_ROWS:
+            # [queries, keys]: k and v are the B operands of the two score matmuls, so they stay in shared
+            # memory for the whole loop; p and ds go to the dV / dK matmuls transposed.
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            if HAS_RPB:
+                ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
+                s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
+            p = tl.math.exp2(s - lse2[:, None])
+            p = _mask_outside(p, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                              start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1, False)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        else:
+            # [keys, queries]: k and v are A operands held in registers (64 per thread each at head dim 128,
+            # which spills), but a query tile of fewer than 64 rows still fills wgmma's 64-row minimum.
+            st = tl.dot(k, tl.trans(q)) * qk_scale
+            if HAS_RPB:
+                ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
+                bias = tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx)
+                st += tl.trans(bias) * 1.4426950408889634
+            pt = tl.math.exp2(st - lse2[None, :])
+            pt = _mask_outside(pt, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                               start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1,
+                               True)
+            dv += tl.dot(pt.to(do.dtype), do)
+            dpt = tl.dot(v, tl.trans(do))
+            dst = pt * (dpt - delta[None, :])
+            dk += tl.dot(dst.to(q.dtype), q)
 
     dk = dk * scale
     kg_base = b.to(tl.int64) * skgb + hk * skgh
