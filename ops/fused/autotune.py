@@ -70,7 +70,7 @@ CANDIDATES: dict[str, list[Config]] = {
            Config(64, 128, 8, 2)],
     "dkdv": [Config(64, 64, 8, 2), Config(64, 32, 8, 2), Config(64, 64, 4, 2), Config(128, 32, 8, 2),
              Config(32, 32, 4, 2), Config(64, 32, 8, 1), Config(64, 32, 4, 2), Config(64, 64, 4, 3),
-             Config(128, 64, 8, 2), Config(128, 16, 8, 2)],
+             Config(128, 64, 8, 2), Config(128, 16, 8, 2), Config(64, 128, 8, 2)],
     "drpb": [Config(64, 1, 4, 1), Config(32, 1, 4, 1), Config(128, 1, 8, 1)],
 }
 # Every tile candidate also with TMA loads (used where the launch allows them, else the same as
