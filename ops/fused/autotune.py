@@ -64,13 +64,17 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
 # Candidates the tuner times (besides the default).
 CANDIDATES: dict[str, list[Config]] = {
     "fwd": [Config(128, 64, 8, 3), Config(128, 64, 8, 2), Config(128, 128, 8, 2), Config(64, 64, 4, 3),
-            Config(128, 32, 8, 3), Config(64, 32, 4, 2), Config(32, 32, 4, 2)],
+            Config(128, 32, 8, 3), Config(64, 32, 4, 2), Config(32, 32, 4, 2),
+            # small windows: 16-query tiles on one or two warps reach less than half the keys of 64-query tiles
+            # (NAT 7x7: 128 keys per query tile against 256), so less of the softmax work is wasted
+            Config(16, 64, 1, 2), Config(16, 64, 2, 2), Config(16, 32, 1, 2)],
     "dq": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
            Config(32, 32, 4, 2), Config(128, 32, 8, 2), Config(128, 64, 8, 3), Config(64, 64, 4, 3),
-           Config(64, 128, 8, 2)],
+           Config(64, 128, 8, 2), Config(16, 64, 1, 2), Config(16, 32, 1, 2)],
     "dkdv": [Config(64, 64, 8, 2), Config(64, 32, 8, 2), Config(64, 64, 4, 2), Config(128, 32, 8, 2),
              Config(32, 32, 4, 2), Config(64, 32, 8, 1), Config(64, 32, 4, 2), Config(64, 64, 4, 3),
-             Config(128, 64, 8, 2), Config(128, 16, 8, 2), Config(64, 128, 8, 2)],
+             Config(128, 64, 8, 2), Config(128, 16, 8, 2), Config(64, 128, 8, 2), Config(64, 128, 8, 3),
+             Config(16, 64, 1, 2), Config(16, 32, 1, 2)],
     "drpb": [Config(64, 1, 4, 1), Config(32, 1, 4, 1), Config(128, 1, 8, 1)],
 }
 # Every tile candidate also with TMA loads (used where the launch allows them, else the same as
