@@ -513,6 +513,25 @@ def test_gpu_tma_loads(dtype, seed):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("warps", [1, 2])
+def test_gpu_small_window_tiles(warps):
+    """The tuner's small-window candidates: 16-query tiles on one or two warps (mma.sync, no wgmma) in every
+    kernel, with dK/dV in both orientations (32-query tiles: keys as rows; 64: queries as rows, where the
+    problem has that many)."""
+    rng = random.Random(3000 + warps)
+    small = Config(16, 64, warps, 2)
+    dkdv = Config(16, 32 * warps, warps, 2)
+    for rank in (1, 2, 3):
+        launch._DIRECT.clear()
+        launch._BACKWARD.clear()
+        p = random_problem(rng, rank=rank, max_tokens=400, max_dim=64)
+        p.dim = max(p.dim, 8)
+        with autotune.forced(fwd=small, dq=small, dkdv=dkdv):
+            _run(p, torch.bfloat16, grads=True, seed=warps)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_tma_falls_back_on_misaligned_views():
     """A view whose base is not 16-byte aligned cannot be a TMA source: the launch must use pointer
     loads (and stay correct), and an aligned call of the same problem afterwards uses TMA again."""
