@@ -418,7 +418,8 @@ def test_tma_launch_installs_a_scratch_allocator_in_its_thread():
     from triton.runtime import _allocation
 
     p = _fixed((20,), 5, heads=1)
-    q, k, v, _ = p.tensors(dtype=torch.float32, device=DEVICE)
+    # compiled, TMA needs 16-bit inputs (float32 would fall back to pointer loads and install nothing)
+    q, k, v, _ = p.tensors(dtype=torch.float32 if INTERPRETED else torch.bfloat16, device=DEVICE)
     seen = {}
 
     def launch_in_fresh_thread(tma):
