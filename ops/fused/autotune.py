@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Config:
-    """Outer x inner tile (matmul rows x columns for fwd/dq; columns x rows for dkdv)."""
+    """Outer x inner tile: query tile x key tile for fwd / dq, key tile x query tile for dkdv."""
 
     outer: int
     inner: int

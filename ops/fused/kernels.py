@@ -17,9 +17,12 @@ Conventions shared by every kernel (see ``ops/fused/launch.py`` for the host sid
   first box; a tile inside the second box needs no mask (the common case for large windows).
 * Softmax runs in base 2: logits are multiplied by ``scale * log2(e)`` (RPB by ``log2(e)``);
   ``lse`` is stored in natural log.
-* ``TMA`` (constexpr): the tiles a loop visits (K/V, or Q/dO in dK/dV) come from device-side TMA
-  descriptors, one per dilation group (``_group_descriptor``), instead of pointer tensors; the host
-  sets it only where the GPU and the tensors allow it (``launch.tma_eligible``).
+* dK/dV computes its score tile as [queries, keys] (``QUERY_ROWS``) where the query tile has >= 64 rows,
+  so that k/v stay in shared memory as B operands; smaller query tiles use [keys, queries] (wgmma's tiles
+  are 64 rows tall).
+* ``TMA`` (constexpr): the tiles a loop visits (K/V, or Q/dO in dK/dV, plus dK/dV's own K/V tile)
+  come from device-side TMA descriptors, one per dilation group (``_group_descriptor``), instead of
+  pointer tensors; the host sets it only where the GPU and the tensors allow it (``launch.tma_eligible``).
 """
 import triton
 import triton.language as tl
@@ -413,7 +416,8 @@ def na_bwd_dkdv_kernel(
     BISECT: tl.constexpr, TMA: tl.constexpr, QUERY_ROWS: tl.constexpr,
 ):
     # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
-    # dK/dV have their own strides (k/v may be strided views).  GQA: the query heads of this kv head are summed in the same loop.
+    # dK/dV have their own strides (k/v may be strided views).  GQA: the query heads of this kv head are
+    # summed in the same loop.
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NU0, NU1, NU2, D0, D1, D2)
     bh = tl.program_id(1)
     b = bh // HKV

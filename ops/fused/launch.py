@@ -84,7 +84,7 @@ DKDV_QUERY_ROWS_FROM = 64
 
 
 def tma_eligible(*tensors: torch.Tensor) -> bool:
-    """The tiles a kernel loops over (k/v for the forward and dQ, q/dO for dK/dV) can be TMA bulk
+    """The tiles a kernel reads (k/v for the forward and dQ, q/dO/k/v for dK/dV) can be TMA bulk
     copies: a Hopper or newer GPU with 16-bit values (the interpreter runs the same kernel code in any
     dtype), base pointers and batch / token / head strides on 16-byte boundaries (the copy engine's
     rule; the descriptors step whole tokens and heads)."""
