@@ -193,6 +193,22 @@ def _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2):
     return tl.minimum(tl.maximum(idx, 0), (2 * K0 - 1) * w1 * w2 - 1)
 
 
+@triton.jit
+def _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
+                      in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2, stop2,
+                      U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, ACT0: tl.constexpr, ACT1: tl.constexpr,
+                      HAS_RPB: tl.constexpr):
+    """The backward's [queries, keys] probabilities, recomputed from the forward's lse (base 2), zero
+    outside each query's window."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if HAS_RPB:
+        ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
+        s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
+    p = tl.math.exp2(s - lse2[:, None])
+    return _mask_outside(p, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                         start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1, False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
@@ -381,13 +397,9 @@ def na_bwd_dq_kernel(
         kj2 = k2 + c2
         k, v = _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2,
                         skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        if HAS_RPB:
-            ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
-            s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
-        p = tl.math.exp2(s - lse2[:, None])
-        p = _mask_outside(p, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                          start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1, False)
+        p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
+                              in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
+                              stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -499,13 +511,9 @@ def na_bwd_dkdv_kernel(
         if QUERY_ROWS:
             # [queries, keys]: k and v are the B operands of the two score matmuls, so they stay in shared
             # memory for the whole loop; p and ds go to the dV / dK matmuls transposed.
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            if HAS_RPB:
-                ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
-                s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
-            p = tl.math.exp2(s - lse2[:, None])
-            p = _mask_outside(p, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                              start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1, False)
+            p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
+                                  in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
+                                  stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
