@@ -454,10 +454,14 @@ def na_bwd_dkdv_kernel(
     dv_ok = offs_dv < VALUE_DIM
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
-    k_src, v_src = _kv_sources(Kp + k_base, V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh,
-                               svh, HEAD_DIM, VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA)
-    k, v = _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2,
-                    skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
+    if QUERY_ROWS:  # k/v are B operands: TMA copies them into the shared memory the matmuls read them from
+        k_src, v_src = _kv_sources(Kp + k_base, V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt,
+                                   skh, svh, HEAD_DIM, VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA)
+        k, v = _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2,
+                        skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
+    else:  # k/v are A operands: an N-D TMA box would pass through registers (2d-flux dK/dV +29%, session 6)
+        k, v = _kv_tile(Kp + k_base, V + v_base, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2,
+                        L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, False)
 
     # Inverse neighborhood: queries whose windows reach any key of this tile, per axis.
     ql0 = first_query_reaching(k0, Lg0, K0, S0, CAUSAL0, BISECT)
@@ -519,8 +523,9 @@ def na_bwd_dkdv_kernel(
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
         else:
-            # [keys, queries]: k and v are A operands held in registers (64 per thread each at head dim 128,
-            # which spills), but a query tile of fewer than 64 rows still fills wgmma's 64-row minimum.
+            # [keys, queries]: k and v are A operands (read from shared memory), p and ds stay in registers as
+            # the A operands of the dV / dK matmuls; a query tile of fewer than 64 rows still fills wgmma's
+            # 64-row minimum here, because the keys are the rows.
             st = tl.dot(k, tl.trans(q)) * qk_scale
             if HAS_RPB:
                 ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
