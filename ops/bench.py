@@ -333,11 +333,9 @@ def main(argv=None):
 
 def _fused_choices() -> dict:
     """The fused backend's configuration per (kernel, problem) chosen so far in this process."""
-    from dataclasses import asdict as as_dict
-
     from .fused import autotune
 
-    return {key: as_dict(launch) for key, launch in autotune._memo.items()}
+    return {key: asdict(launch) for key, launch in autotune._memo.items()}
 
 
 def write_results(prefix: str, env: dict, rows: list[Row]) -> None:

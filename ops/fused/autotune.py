@@ -2,8 +2,9 @@
 
 A configuration is (outer tile size, inner tile size, num_warps, num_stages, tma); the N-D tile
 shapes follow from the problem through ``tiles.choose_tiles``.  ``tma`` loads the tiles a kernel loops
-over (K/V in the forward and dQ, Q/dO in dK/dV) as Hopper bulk copies where the GPU and the tensors
-allow it (``launch.tma_eligible``); elsewhere the same configuration runs with pointer loads.
+over (K/V in the forward and dQ, Q/dO in dK/dV, plus dK/dV's own K/V tile where the queries are the
+matmul rows) as Hopper bulk copies where the GPU and the tensors allow it (``launch.tma_eligible``);
+elsewhere the same configuration runs with pointer loads.
 Lookup order for a problem:
 
 1. the in-memory / on-disk cache (JSON at ``$NAMODELS_FUSED_CACHE``, default

@@ -18,7 +18,7 @@ Conventions shared by every kernel (see ``ops/fused/launch.py`` for the host sid
 * Softmax runs in base 2: logits are multiplied by ``scale * log2(e)`` (RPB by ``log2(e)``);
   ``lse`` is stored in natural log.
 * dK/dV computes its score tile as [queries, keys] (``QUERY_ROWS``) where the query tile has >= 64 rows,
-  so that k/v stay in shared memory as B operands; smaller query tiles use [keys, queries] (wgmma's tiles
+  with k/v as the B operands (fewer registers); smaller query tiles use [keys, queries] (wgmma's tiles
   are 64 rows tall).
 * ``TMA`` (constexpr): the tiles a loop visits (K/V, or Q/dO in dK/dV, plus dK/dV's own K/V tile)
   come from device-side TMA descriptors, one per dilation group (``_group_descriptor``), instead of

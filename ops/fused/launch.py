@@ -77,9 +77,9 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
 
 
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
-# then stay in shared memory instead of registers (dK/dV on an H100, session 6: 1d-32k 3.09 -> 2.27 ms,
-# 2d-flux 33.5 -> 30.9 ms), but smaller query tiles fall under wgmma's 64-row minimum (nat-s1-rpb with
-# 32-row query tiles: 0.64 -> 0.83 ms).
+# are then B operands and the kernel spills less (sm_90 report on the 3-D tile: 656 -> 168 B; dK/dV on an H100,
+# session 6: 1d-32k 3.09 -> 2.27 ms, 2d-flux 33.5 -> 30.9 ms), but smaller query tiles fall under wgmma's 64-row
+# minimum (nat-s1-rpb with 32-row query tiles: 0.64 -> 0.83 ms).
 DKDV_QUERY_ROWS_FROM = 64
 
 
@@ -375,7 +375,8 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     rpb_arg = table if has_rpb else q4
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     idx64 = needs_int64(q4, k4, v4, do4, o4)  # the gradients are contiguous: never larger offsets
-    # dK/dV reads its own k/v tile by TMA too, so all four tensors must allow it there
+    # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
+    # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
 
     def dq_plan(launch):
