@@ -188,8 +188,8 @@ class Launch:
 
 
 @functools.lru_cache(maxsize=4096)
-def resolve(cfg: Config, params) -> Launch:
-    """N-D tile shapes for a configuration (padded to 3 axes, leading dummy axes of size 1)."""
+def resolve(cfg: Config, params, kernel: str) -> Launch:
+    """N-D tile shapes for a configuration of ``kernel`` (padded to 3 axes, leading dummy axes of size 1)."""
     axes = axes_of(params)
     tokens = 1
     for a in axes:
@@ -198,7 +198,7 @@ def resolve(cfg: Config, params) -> Launch:
     if cfg.inner == 1:  # kernels without an inner tile (drpb)
         outer, inner = choose_tiles(axes, outer_size, 1)
     else:
-        outer, inner = choose_tiles(axes, outer_size, total_size(tokens, cfg.inner))
+        outer, inner = choose_tiles(axes, outer_size, total_size(tokens, cfg.inner), inverse=kernel == "dkdv")
     pad = (1,) * (3 - len(axes))
     return Launch(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages, cfg.tma)
 
@@ -208,7 +208,7 @@ def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True,
     ``tma``: the launch can use TMA loads (else the tuner skips those candidates, which would run as
     their pointer-load twins)."""
     if kernel in _forced:
-        return resolve(_forced[kernel], params)
+        return resolve(_forced[kernel], params, kernel)
     # Host time matters for small problems: one dict lookup per launch once a problem was seen.
     memo_key = (kernel, params, q.dtype, tuple(q.shape), k.shape[-2], v.shape[-1], has_rpb, q.device,
                 tunable and autotune_enabled(), tma)
@@ -239,12 +239,12 @@ MIN_TMA_LOOP = 16
 
 def _default_launch(kernel: str, params, width: int) -> Launch:
     """The defaults-table launch for a ``row_width``, without TMA where a program's loop is short."""
-    launch = resolve(default_config(kernel, width), params)
+    launch = resolve(default_config(kernel, width), params, kernel)
     if launch.tma:
         outer, inner = launch.outer_tile, launch.inner_tile
         axes = axes_of(params)
         pad = 3 - len(axes)
-        if loop_length(axes, outer[pad:], inner[pad:]) < MIN_TMA_LOOP:
+        if loop_length(axes, outer[pad:], inner[pad:], inverse=kernel == "dkdv") < MIN_TMA_LOOP:
             launch = dataclasses.replace(launch, tma=False)
     return launch
 
@@ -269,7 +269,7 @@ def _tune(kernel, q, params, run, key, tma):
     for cfg in [default] + CANDIDATES[kernel]:
         if cfg.tma and not tma:  # would run as its pointer-load twin: time that one (once)
             cfg = dataclasses.replace(cfg, tma=False)
-        launch = resolve(cfg, params)
+        launch = resolve(cfg, params, kernel)
         if launch in seen:
             continue
         seen.add(launch)

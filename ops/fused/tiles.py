@@ -1,21 +1,38 @@
-"""Tile shapes for the fused kernels: a small cost model over N-D power-of-two boxes.
+"""Tile shapes for the fused kernels: an exact count of the loops' work over N-D power-of-two boxes.
 
 A kernel has an *outer* tile (one per program: the query tile of the forward and dQ kernels, the
-key/value tile of the dK/dV kernel) and an *inner* tile it loops over.  For an outer tile of
-``T`` positions on an axis with window ``K`` and stride ``s``, the inner positions it reaches span
-about ``K + max(T - s, 0)`` (the union of its windows; by symmetry the same count bounds the
-queries reaching ``T`` keys).  The inner loop starts at the union's first position, so it visits
-``ceil(span / U) * U`` positions, and the outer tiles cover ``ceil(Lg / T) * T`` positions.  The
-product of those two factors over the axes is the number of (query, key) pairs the kernel computes,
-which the chooser minimizes for given outer and inner tile sizes (rows x columns of the matmuls).
+key/value tile of the dK/dV kernel) and an *inner* tile it loops over.  The kernels' loops are
+separable per axis: a program's inner tiles are the product of per-axis ranges, so the (query, key)
+pairs a kernel computes are the product over the axes of ``sum over outer tiles of (inner tiles
+visited) * T * U``.  Each axis is counted exactly, with the kernels' own rules (the same window
+formulas, ``ops/window.py``):
+
+* forward / dQ: the query tile ``[q0, q0 + T)`` visits key tiles from ``start(q0)`` to
+  ``stop(last)`` in steps of ``U``;
+* dK/dV: the key tile ``[k0, k0 + U)`` visits query tiles from the first query reaching ``k0`` to
+  the last one reaching ``k0 + U - 1`` in steps of ``T``.
+
+An inner tile needs a mask on an axis unless it lies inside every query's window there; those masks
+are the second cost (``MASK_COST``).  A closed form such as ``K + T - 1`` positions per tile was
+used until session 7: it undercounts where clamped windows pile up (an axis shorter than ``2 K``,
+as in 3d-hunyuan's 30 frames with a window of 18), and it picked a dK/dV tile that computes 12%
+more pairs than the best one on 3d-hunyuan.
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
 import math
 from dataclasses import dataclass
 
+from ops.window import axis_window
+
 MIN_DOT = 16  # tl.dot needs every matrix side >= 16
+
+# Cost of masking an inner tile on one axis, relative to computing its pairs: the border masks of
+# the 3-D forward cost about 11% at ~1.2 masked axes per tile (RESULTS.md, session 5).
+MASK_COST = 0.1
 
 
 @dataclass(frozen=True)
@@ -25,14 +42,81 @@ class Axis:
     Lg: int
     K: int
     s: int
+    causal: bool = False
+
+
+@dataclass(frozen=True)
+class AxisLoop:
+    """One axis of a kernel's loops: outer tiles, inner tiles visited in all, and how many of those
+    need a mask on this axis."""
+
+    programs: int
+    iterations: int
+    masked: int
 
 
 def axes_of(params) -> list[Axis]:
-    return [Axis(-(-L // d), K, s) for L, K, s, d, _ in params.axes()]
+    return [Axis(-(-L // d), K, s, bool(c)) for L, K, s, d, c in params.axes()]
 
 
 def _log2(n: int) -> int:
     return max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=256)
+def _windows(ax: Axis) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(start, stop) of every query's window on the axis (group coordinates)."""
+    wins = [axis_window(i, ax.Lg, ax.K, ax.s, 1, ax.causal)[2:] for i in range(ax.Lg)]
+    return tuple(int(w[0]) for w in wins), tuple(int(w[1]) for w in wins)
+
+
+def _masked(first: int, n: int, step: int, width: int, in_lo: int, in_hi: int) -> int:
+    """How many of the tiles ``[first + t * step, + width)``, t < n, stick out of ``[in_lo, in_hi)``."""
+    return sum(1 for t in range(n) if first + t * step < in_lo or first + t * step + width > in_hi)
+
+
+@functools.lru_cache(maxsize=65536)
+def axis_loop(ax: Axis, outer: int, inner: int, inverse: bool) -> AxisLoop:
+    """The loops of one axis, as the kernels run them (``inverse``: dK/dV, outer tiles are keys)."""
+    starts, stops = _windows(ax)
+    iterations = masked = 0
+    for o in range(0, ax.Lg, outer):
+        if inverse:  # queries [ql, qh) reach the keys [o, o + outer)
+            ql = bisect.bisect_right(stops, o)
+            qh = bisect.bisect_right(starts, min(o + outer, ax.Lg) - 1)
+            n = -(-max(qh - ql, 0) // inner)
+            for t in range(n):
+                q0 = ql + t * inner
+                last = min(q0 + inner, ax.Lg) - 1
+                masked += o < starts[last] or o + outer > stops[q0]
+        else:
+            last = min(o + outer, ax.Lg) - 1
+            n = -(-(stops[last] - starts[o]) // inner)
+            masked += _masked(starts[o], n, inner, inner, starts[last], stops[o])
+        iterations += n
+    return AxisLoop(-(-ax.Lg // outer), iterations, masked)
+
+
+def _loops(axes, outer, inner, inverse):
+    return [axis_loop(a, t, u, inverse) for a, t, u in zip(axes, outer, inner)]
+
+
+def pairs_computed(axes: list[Axis], outer: tuple, inner: tuple, inverse: bool = False) -> int:
+    """(query, key) pairs the kernel computes with these tiles (padding and masked pairs included)."""
+    return math.prod(lp.iterations for lp in _loops(axes, outer, inner, inverse)) * math.prod(outer) * math.prod(inner)
+
+
+def tile_cost(axes: list[Axis], outer: tuple, inner: tuple, inverse: bool = False) -> float:
+    """Pairs computed, plus ``MASK_COST`` per axis on which an inner tile needs a mask."""
+    loops = _loops(axes, outer, inner, inverse)
+    masked_axes = sum(lp.masked / lp.iterations for lp in loops if lp.iterations)
+    return pairs_computed(axes, outer, inner, inverse) * (1 + MASK_COST * masked_axes)
+
+
+def loop_length(axes: list[Axis], outer: tuple, inner: tuple, inverse: bool = False) -> float:
+    """Inner tiles one program visits, on average."""
+    loops = _loops(axes, outer, inner, inverse)
+    return math.prod(lp.iterations for lp in loops) / math.prod(lp.programs for lp in loops)
 
 
 def _splits(total: int, caps: list[int]):
@@ -45,37 +129,24 @@ def _splits(total: int, caps: list[int]):
     return [e for e in itertools.product(*ranges) if sum(e) == total]
 
 
-def _axis_cost(ax: Axis, outer: int, inner: int) -> int:
-    span = min(ax.Lg, ax.K + max(outer - ax.s, 0))
-    return math.ceil(ax.Lg / outer) * outer * math.ceil(span / inner) * inner
-
-
-def choose_tiles(axes: list[Axis], outer_size: int, inner_size: int):
-    """Returns (outer_tile, inner_tile): per-axis power-of-two sides with the given products."""
+def choose_tiles(axes: list[Axis], outer_size: int, inner_size: int, inverse: bool = False):
+    """Returns (outer_tile, inner_tile): per-axis power-of-two sides with the given products and the
+    least ``tile_cost`` (``inverse``: the outer tile holds keys, as in dK/dV)."""
     outer_log, inner_log = _log2(outer_size), _log2(inner_size)
     outer_caps = [_log2(a.Lg) for a in axes]
     best = None
     for eo in _splits(outer_log, outer_caps):
         outer = [1 << e for e in eo]
+        # an inner side longer than what one outer tile reaches on that axis only adds padding
         inner_caps = [_log2(min(a.Lg, a.K + max(t - a.s, 0))) for a, t in zip(axes, outer)]
         for ei in _splits(inner_log, inner_caps):
             inner = [1 << e for e in ei]
-            cost = math.prod(_axis_cost(a, t, u) for a, t, u in zip(axes, outer, inner))
+            cost = tile_cost(axes, outer, inner, inverse)
             # Tie-break: longer runs on the last axis (fewer, longer loops; contiguous tokens).
             rank_key = (cost, tuple(-e for e in reversed(eo)), tuple(-e for e in reversed(ei)))
             if best is None or rank_key < best[0]:
                 best = (rank_key, tuple(outer), tuple(inner))
     return best[1], best[2]
-
-
-def loop_length(axes: list[Axis], outer: tuple, inner: tuple) -> int:
-    """Inner tiles one program visits (the cost model's span per axis over the inner tile side)."""
-    return math.prod(math.ceil(min(a.Lg, a.K + max(t - a.s, 0)) / u) for a, t, u in zip(axes, outer, inner))
-
-
-def pairs_computed(axes: list[Axis], outer: tuple, inner: tuple) -> int:
-    """The cost model's count of (query, key) pairs (for reports and tests)."""
-    return math.prod(_axis_cost(a, t, u) for a, t, u in zip(axes, outer, inner))
 
 
 def total_size(tokens: int, wanted: int) -> int:

@@ -1,0 +1,109 @@
+"""A/B of tile shapes for the fused kernels of one problem, kernel by kernel, in alternating rounds.
+
+    python benchmarks/tile_ab.py 3d-hunyuan --rounds 3 \
+        --variant "dkdv:2x8x4/8x4x4/8/3/tma" --variant "fwd:2x8x4/2x8x4/4/3/tma"
+
+For each kernel (fwd, dq, dkdv) the script times, on the same inputs:
+
+* ``current``: the launch the backend picks now (tuning cache at ``$NAMODELS_FUSED_CACHE``, else
+  the defaults table),
+* ``model``: the same tile sizes, warps and stages with the shapes ``tiles.choose_tiles`` gives,
+* every ``--variant`` of that kernel: ``kernel:outer/inner/num_warps/num_stages[/tma]``, tiles as
+  ``AxBxC`` (outer = query tile for fwd / dq, key tile for dkdv).
+
+Times are the tuner's own (median of CUDA-graph replays, ``autotune._kernel_ms``), one line per
+round and a median over the rounds at the end; alternating rounds keep clock drift out of the A/B.
+``--keep-best`` writes each kernel's fastest launch into the tuning cache for this problem.
+"""
+import argparse
+import dataclasses
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from ops import functional  # noqa: E402
+from ops.bench import standard_problems  # noqa: E402
+from ops.fused import autotune  # noqa: E402
+
+
+def parse_variant(text: str):
+    kernel, rest = text.split(":", 1)
+    fields = rest.split("/")
+    outer, inner = (tuple(int(x) for x in f.split("x")) for f in fields[:2])
+    pad = lambda t: (1,) * (3 - len(t)) + t  # noqa: E731
+    launch = autotune.Launch(pad(outer), pad(inner), int(fields[2]), int(fields[3]), len(fields) > 4 and fields[4] == "tma")
+    return kernel, launch
+
+
+def capture_runs(p):
+    """One fused forward+backward of problem ``p``; returns {kernel: (run, picked launch)}."""
+    runs = {}
+    original = autotune.pick
+
+    def recording_pick(kernel, q, k, v, params, has_rpb, run, tunable=True, tma=False):
+        launch = original(kernel, q, k, v, params, has_rpb, run, tunable, tma)
+        if run is not None:
+            runs[kernel] = (run, launch, autotune.problem_key(kernel, q, k, v, params, has_rpb))
+        return launch
+
+    params = p.params
+    shape = (p.batch, *p.spatial, p.heads, p.dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    rpb = torch.randn(p.heads, *params.rpb_shape, device="cuda", requires_grad=True) if p.rpb else None
+    fn = {1: functional.na1d, 2: functional.na2d, 3: functional.na3d}[params.rank]
+    autotune.pick = recording_pick
+    try:
+        out = fn(q, k, v, p.kernel_size, p.stride, p.dilation, p.causal, rpb=rpb, backend="fused")
+        out.backward(torch.randn_like(out))
+    finally:
+        autotune.pick = original
+    torch.cuda.synchronize()
+    return runs, params
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("problem")
+    ap.add_argument("--variant", action="append", default=[])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kernels", default="fwd,dq,dkdv")
+    ap.add_argument("--keep-best", action="store_true", help="store each kernel's fastest launch in the cache")
+    args = ap.parse_args()
+    problem = {p.name: p for p in standard_problems()}[args.problem]
+    runs, params = capture_runs(problem)
+    extra = [parse_variant(v) for v in args.variant]
+    table = {}
+    for kernel in args.kernels.split(","):
+        run, current, key = runs[kernel]
+        cfg = autotune.Config(math.prod(current.outer_tile), math.prod(current.inner_tile), current.num_warps,
+                              current.num_stages, current.tma)
+        variants = {"current": current, "model": autotune.resolve(cfg, params, kernel)}
+        for i, (k, launch) in enumerate(extra):
+            if k == kernel:
+                variants[f"v{i}"] = launch
+        for name, launch in variants.items():
+            print(f"{kernel} {name}: {launch}", flush=True)
+        table[kernel] = (run, variants, {name: [] for name in variants}, key)
+    for r in range(args.rounds):
+        for kernel, (run, variants, times, _) in table.items():
+            for name, launch in variants.items():
+                times[name].append(autotune._kernel_ms(lambda: run(launch)))
+            print(f"round {r} {kernel}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()), flush=True)
+    print(f"{args.problem}: median ms over {args.rounds} rounds")
+    for kernel, (_, variants, times, key) in table.items():
+        for name, launch in variants.items():
+            print(f"| {kernel} | {name} | {launch.outer_tile} x {launch.inner_tile} w{launch.num_warps} "
+                  f"s{launch.num_stages}{' tma' if launch.tma else ''} | {statistics.median(times[name]):.3f} |")
+        if args.keep_best:
+            best = min(variants, key=lambda name: statistics.median(times[name]))
+            autotune._store(key, {**dataclasses.asdict(variants[best]), "ms": statistics.median(times[best])})
+            print(f"{kernel}: kept {best} in {autotune.cache_path()}")
+
+
+if __name__ == "__main__":
+    main()
