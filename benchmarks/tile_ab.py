@@ -8,8 +8,8 @@ For each kernel (fwd, dq, dkdv) the script times, on the same inputs:
 * ``current``: the launch the backend picks now (tuning cache at ``$NAMODELS_FUSED_CACHE``, else
   the defaults table),
 * ``model``: the same tile sizes, warps and stages with the shapes ``tiles.choose_tiles`` gives,
-* every ``--variant`` of that kernel: ``kernel:outer/inner/num_warps/num_stages[/tma]``, tiles as
-  ``AxBxC`` (outer = query tile for fwd / dq, key tile for dkdv).
+* every ``--variant`` of that kernel: ``kernel:outer/inner/num_warps/num_stages[/tma|ptr[/rN]]``, tiles
+  as ``AxBxC`` (outer = query tile for fwd / dq, key tile for dkdv), ``rN`` a cap of N registers per thread.
 
 Times are the tuner's own (median of CUDA-graph replays, ``autotune._kernel_ms``), one line per
 round and a median over the rounds at the end; alternating rounds keep clock drift out of the A/B.
@@ -36,7 +36,9 @@ def parse_variant(text: str):
     fields = rest.split("/")
     outer, inner = (tuple(int(x) for x in f.split("x")) for f in fields[:2])
     pad = lambda t: (1,) * (3 - len(t)) + t  # noqa: E731
-    launch = autotune.Launch(pad(outer), pad(inner), int(fields[2]), int(fields[3]), len(fields) > 4 and fields[4] == "tma")
+    tma = len(fields) > 4 and fields[4] == "tma"
+    maxnreg = int(fields[5][1:]) if len(fields) > 5 else None
+    launch = autotune.Launch(pad(outer), pad(inner), int(fields[2]), int(fields[3]), tma, maxnreg)
     return kernel, launch
 
 
@@ -98,7 +100,8 @@ def main():
     for kernel, (_, variants, times, key) in table.items():
         for name, launch in variants.items():
             print(f"| {kernel} | {name} | {launch.outer_tile} x {launch.inner_tile} w{launch.num_warps} "
-                  f"s{launch.num_stages}{' tma' if launch.tma else ''} | {statistics.median(times[name]):.3f} |")
+                  f"s{launch.num_stages}{' tma' if launch.tma else ''}{f' r{launch.maxnreg}' if launch.maxnreg else ''} | "
+                  f"{statistics.median(times[name]):.3f} |")
         if args.keep_best:
             best = min(variants, key=lambda name: statistics.median(times[name]))
             autotune._store(key, {**dataclasses.asdict(variants[best]), "ms": statistics.median(times[best])})

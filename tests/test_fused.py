@@ -154,6 +154,16 @@ def test_small_tiles_forward_backward(p, tma, query_rows, monkeypatch):
     assert all(plan.dkdv.meta["QUERY_ROWS"] == query_rows for plan in launch._BACKWARD.values())
 
 
+def test_register_cap_reaches_the_compiler():
+    """A configuration's ``maxnreg`` goes to Triton with the launch (compiled: ptxas caps the registers and
+    spills the rest, which must not change the results)."""
+    capped = Config(16, 16, 1, 1, maxnreg=64)
+    with autotune.forced(fwd=capped, dq=capped, dkdv=capped, drpb=Config(16, 1, 4, 1)):
+        _run(_fixed((6, 9), (3, 5), d=(2, 1), rpb=True), torch.float32, grads=True)
+    assert launch._DIRECT and all(plan.launch.meta["maxnreg"] == 64 for plan in launch._DIRECT.values())
+    assert all(plan.dq.meta["maxnreg"] == 64 == plan.dkdv.meta["maxnreg"] for plan in launch._BACKWARD.values())
+
+
 def test_int64_index_path(monkeypatch):
     """The kernels' int64 token-offset variant (used past 2**31 elements per batch element)."""
     monkeypatch.setattr(launch, "needs_int64", lambda *tensors: True)

@@ -1,6 +1,6 @@
 """Kernel configurations: a defaults table, an optional autotuner, and its on-disk cache.
 
-A configuration is (outer tile size, inner tile size, num_warps, num_stages, tma); the N-D tile
+A configuration is (outer tile size, inner tile size, num_warps, num_stages, tma, maxnreg); the N-D tile
 shapes follow from the problem through ``tiles.choose_tiles``.  ``tma`` loads the tiles a kernel loops
 over (K/V in the forward and dQ, Q/dO in dK/dV, plus dK/dV's own K/V tile where the queries are the
 matmul rows) as Hopper bulk copies where the GPU and the tensors allow it (``launch.tma_eligible``);
@@ -42,6 +42,8 @@ class Config:
     num_warps: int
     num_stages: int
     tma: bool = False
+    # register cap per thread for ptxas (None: its own choice); a lower cap fits more programs per SM
+    maxnreg: int | None = None
 
 
 # kernel -> list of (max head dim, default config); the first entry whose bound covers the head dim wins.
@@ -68,7 +70,10 @@ CANDIDATES: dict[str, list[Config]] = {
             Config(128, 32, 8, 3), Config(64, 32, 4, 2), Config(32, 32, 4, 2),
             # small windows: 16-query tiles on one or two warps reach less than half the keys of 64-query tiles
             # (NAT 7x7: 128 keys per query tile against 256), so less of the softmax work is wasted
-            Config(16, 64, 1, 2), Config(16, 64, 2, 2), Config(16, 32, 1, 2)],
+            Config(16, 64, 1, 2), Config(16, 64, 2, 2), Config(16, 32, 1, 2),
+            # small windows in 3-D (3d-causal): 16-key tiles cut the padding of a 64-query tile's key box
+            # (632 pairs per query against 728), 32-query tiles on two warps reach 518
+            Config(64, 16, 4, 3), Config(32, 32, 2, 2), Config(32, 64, 2, 2)],
     "dq": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
            Config(32, 32, 4, 2), Config(128, 32, 8, 2), Config(128, 64, 8, 3), Config(64, 64, 4, 3),
            Config(64, 128, 8, 2), Config(16, 64, 1, 2), Config(16, 32, 1, 2)],
@@ -81,7 +86,7 @@ CANDIDATES: dict[str, list[Config]] = {
 # Every tile candidate also with TMA loads (used where the launch allows them, else the same as
 # without): they won on most large problems, lost on some 3-D backward tiles (RESULTS.md, session 5).
 for _kernel in ("fwd", "dq", "dkdv"):
-    CANDIDATES[_kernel] += [Config(c.outer, c.inner, c.num_warps, c.num_stages, True) for c in CANDIDATES[_kernel]]
+    CANDIDATES[_kernel] += [dataclasses.replace(c, tma=True) for c in CANDIDATES[_kernel]]
 
 _lock = threading.Lock()
 _cache: dict[str, dict] | None = None
@@ -185,6 +190,7 @@ class Launch:
     num_warps: int
     num_stages: int
     tma: bool = False
+    maxnreg: int | None = None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -200,7 +206,7 @@ def resolve(cfg: Config, params, kernel: str) -> Launch:
     else:
         outer, inner = choose_tiles(axes, outer_size, total_size(tokens, cfg.inner), inverse=kernel == "dkdv")
     pad = (1,) * (3 - len(axes))
-    return Launch(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages, cfg.tma)
+    return Launch(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages, cfg.tma, cfg.maxnreg)
 
 
 def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True, tma: bool = False) -> Launch:
@@ -223,7 +229,7 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma) -> Launch:
     entry = _load().get(key)
     if entry is not None:
         return Launch(tuple(entry["outer_tile"]), tuple(entry["inner_tile"]), entry["num_warps"], entry["num_stages"],
-                      entry.get("tma", False))
+                      entry.get("tma", False), entry.get("maxnreg"))
     if tunable and autotune_enabled() and q.is_cuda:
         launch = _tune(kernel, q, params, run, key, tma)
         if launch is not None:

@@ -73,7 +73,7 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
         T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], U0=kv_tile[0], U1=kv_tile[1], U2=kv_tile[2],
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         HAS_RPB=has_rpb, num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
+    ) | ({"maxnreg": launch.maxnreg} if launch.maxnreg else {})
 
 
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
