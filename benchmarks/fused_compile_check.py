@@ -41,7 +41,7 @@ kernels = _load_kernels()
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-POINTERS = {"Q", "Kp", "V", "RPB", "O", "LSE", "DO", "DELTA", "DQ", "DK", "DV", "DRPB"}
+POINTERS = {"Q", "Kp", "V", "RPB", "O", "LSE", "DO", "DELTA", "DQ", "DK", "DV", "DRPB", "K_DESC", "V_DESC"}
 FLOATS = {"qk_scale", "scale"}
 
 
@@ -50,6 +50,10 @@ def signature(fn, constexprs, dtype):
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in ("K_DESC", "V_DESC") and constexprs.get("HOST_DESC"):
+            c = constexprs
+            width = c["BLOCK_D"] if name == "K_DESC" else c["BLOCK_DV"]
+            sig[name] = f"tensordesc<{dtype}[1,{c['U0']},{c['U1']},{c['U2']},{width}]>"
         elif name in POINTERS:
             fp32 = name in ("RPB", "LSE", "DELTA", "DRPB")
             sig[name] = "*fp32" if fp32 else f"*{dtype}"
@@ -94,6 +98,9 @@ CASES = {
     "fwd-3d-d128-tma": (kernels.na_fwd_kernel, window_constexprs(3, (2, 8, 8), (1, 2, 32), 128, 128), 8, 3, True),
     "fwd-2d-d32-rpb-tma": (kernels.na_fwd_kernel, window_constexprs(2, (1, 8, 16), (1, 8, 8), 32, 32, True), 4, 3,
                            True),
+    "fwd-3d-d64-causal-tma-host": (kernels.na_fwd_kernel, window_constexprs(3, (4, 2, 8), (4, 8, 2), 64, 64,
+                                                                       causal=(True, False, False)), 4, 3, True),
+    "fwd-2d-d32-tma-host": (kernels.na_fwd_kernel, window_constexprs(2, (1, 2, 8), (1, 4, 16), 32, 32), 1, 2, True),
     "dq-1d-d128": (kernels.na_bwd_dq_kernel, window_constexprs(1, (1, 1, 64), (1, 1, 64), 128, 128), 4, 2),
     "dq-2d-d32-rpb": (kernels.na_bwd_dq_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 32, 32, True), 4, 2),
     "dkdv-1d-d128": (kernels.na_bwd_dkdv_kernel, window_constexprs(1, (1, 1, 64), (1, 1, 32), 128, 128), 8, 2),
@@ -122,7 +129,8 @@ def main(names):
             rows = constexprs["T0"] * constexprs["T1"] * constexprs["T2"]
             constexprs = dict(constexprs, BISECT=12, QUERY_ROWS=rows >= 64)
         if fn is kernels.na_fwd_kernel:
-            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"])
+            host = name.endswith("-host")
+            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], HOST_DESC=host)
         if fn is not kernels.na_bwd_drpb_kernel:
             constexprs = dict(constexprs, TMA=bool(tma and tma[0]))
         try:

@@ -154,6 +154,28 @@ def test_small_tiles_forward_backward(p, tma, query_rows, monkeypatch):
     assert all(plan.dkdv.meta["QUERY_ROWS"] == query_rows for plan in launch._BACKWARD.values())
 
 
+HOST_DESC_CASES = [
+    (_fixed((6, 9), (3, 5), c=(True, False), dim=32, dim_v=16, heads=4, heads_kv=2, batch=2), True),  # GQA, 2 batches
+    (_fixed((6, 9), (3, 5), d=(2, 1), dim=32, heads=2), False),  # dilation
+    (_fixed((6, 9), (3, 5), dim=24, heads=2), False),  # head dim not a power of 2
+]
+
+
+@pytest.mark.parametrize("p, host", HOST_DESC_CASES, ids=["host", "dilated", "dim24"])
+def test_forward_kv_descriptors_built_on_the_host(p, host):
+    """With TMA on, the forward's K/V descriptors come from the host where the layout allows it (one descriptor
+    per tensor over [B, L0, L1, L2, heads * D]) and from each program otherwise; a repeated call takes the direct
+    path, which rebuilds the host descriptors for the new tensors."""
+    tma = Config(16, 16, 4, 1, True)
+    with autotune.forced(fwd=tma, dq=tma, dkdv=tma):
+        for seed in (0, 1):  # the second call of the problem goes through launch._DIRECT
+            _run(p, torch.bfloat16 if not INTERPRETED else torch.float32, seed=seed)
+    plans = list(launch._DIRECT.values())
+    assert len(plans) == 1 and plans[0].launch.meta["TMA"]  # bfloat16 on the GPU, any dtype interpreted
+    assert plans[0].launch.meta["HOST_DESC"] == host
+    assert (plans[0].host_desc_tile is not None) == host
+
+
 def test_register_cap_reaches_the_compiler():
     """A configuration's ``maxnreg`` goes to Triton with the launch (compiled: ptxas caps the registers and
     spills the rest, which must not change the results)."""

@@ -97,6 +97,36 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
                all(s * t.element_size() % 16 == 0 for s in t.stride()[:3]) for t in tensors)
 
 
+def host_descriptors_ok(params: NAParams, k4: torch.Tensor, v4: torch.Tensor, batch: int, heads: int) -> bool:
+    """The forward's K/V descriptors can be built on the host (``host_kv_descriptors``): no dilation (one group),
+    heads packed in each token (head stride = head dim, unit last stride), power-of-two head dims (a box never
+    reaches into the next head) and one launch for the whole batch (a descriptor spans it)."""
+    if any(d != 1 for d in params.dilation) or len(_batch_chunks(batch, heads)) != 1:
+        return False
+    for t in (k4, v4):
+        dim = t.shape[-1]
+        if dim < 16 or dim & (dim - 1) or t.stride(3) != 1 or t.stride(2) != dim or t.data_ptr() % 16 or \
+                any(st * t.element_size() % 16 for st in t.stride()[:3]):
+            return False
+    return True
+
+
+def host_kv_descriptors(params: NAParams, k: torch.Tensor, v: torch.Tensor, kv_tile) -> tuple:
+    """TMA descriptors of k and v as ``[B, L0, L1, L2, heads * D]`` arrays with ``(1, *kv_tile, D)`` boxes (the
+    kernel's ``HOST_DESC``); the launcher encodes them once per launch.  ``k`` / ``v`` may be the flat-token views
+    or the tensors themselves (same memory, ``host_descriptors_ok``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    L = (1,) * (3 - params.rank) + tuple(params.spatial)
+    out = []
+    for t in (k, v):
+        tok = t.stride(-3)  # token stride: the same in the [B, N, H, D] view and in [B, *spatial, H, D]
+        heads, dim = t.shape[-2], t.shape[-1]
+        out.append(TensorDescriptor(t, [t.shape[0], *L, heads * dim], [t.stride(0), L[1] * L[2] * tok, L[2] * tok, tok, 1],
+                                    [1, *kv_tile, dim]))
+    return tuple(out)
+
+
 def _torch_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -225,6 +255,7 @@ class _DirectForward:
     out_shape: tuple
     lse_shape: tuple
     rpb_direct: bool
+    host_desc_tile: tuple | None = None  # K/V tile of the host-built descriptors (rebuilt per call), if any
 
 
 _DIRECT: dict[tuple, _DirectForward] = {}
@@ -259,7 +290,8 @@ def forward(q, k, v, rpb, params: NAParams, scale: float):
         out = _empty(plan.out_shape, q.dtype, q.device)
         lse = _empty(plan.lse_shape, torch.float32, q.device)
         bias = (rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])) if rpb is not None else q
-        plan.launch((q, k, v, bias, out, lse))
+        descs = (q, q) if plan.host_desc_tile is None else host_kv_descriptors(params, k, v, plan.host_desc_tile)
+        plan.launch((q, k, v, bias, out, lse, *descs))
         return out, lse
     return _forward_full(q, k, v, rpb, params, scale, key)
 
@@ -274,6 +306,7 @@ def _forward_full(q, k, v, rpb, params, scale, key):
     table = _rpb_table(rpb, hq)
     has_rpb = table is not None
     tma_ok = tma_eligible(k4, v4)
+    host_desc = tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
 
     def scalars_and_meta(launch: autotune.Launch):
         window, programs = _window_args(params, launch.outer_tile)
@@ -282,13 +315,15 @@ def _forward_full(q, k, v, rpb, params, scale, key):
         # the row max is taken before scaling, which needs a positive scale
         meta["FOLD_SCALE"] = scale > 0 and not has_rpb
         meta["TMA"] = launch.tma and tma_ok
+        meta["HOST_DESC"] = meta["TMA"] and host_desc
         scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), lse.stride(0), lse.stride(1),
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
         return programs, scalars, meta
 
     def run(launch: autotune.Launch, plan=None):
         programs, scalars, meta = plan or scalars_and_meta(launch)
-        tensors = (q4, k4, v4, table if has_rpb else q4, out, lse)
+        descs = host_kv_descriptors(params, k4, v4, launch.inner_tile) if meta["HOST_DESC"] else (q4, q4)
+        tensors = (q4, k4, v4, table if has_rpb else q4, out, lse, *descs)
         _launch_chunks(kernels.na_fwd_kernel, programs, hq, b, tensors, scalars, meta)
 
     launch = autotune.pick("fwd", q, k, v, params, has_rpb, run, tma=tma_ok)
@@ -298,7 +333,8 @@ def _forward_full(q, k, v, rpb, params, scale, key):
             len(_DIRECT) < MAX_DIRECT_PLANS:
         spatial = tuple(q.shape[1:-2])
         _DIRECT[key] = _DirectForward(_Launch(kernels.na_fwd_kernel, (programs, b * hq), scalars, meta),
-                                      (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb))
+                                      (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb),
+                                      launch.inner_tile if meta["HOST_DESC"] else None)
     spatial = q.shape[1:-2]
     return out.reshape(b, *spatial, hq, dv), lse.reshape(b, *spatial, hq)
 
