@@ -176,6 +176,16 @@ def test_forward_kv_descriptors_built_on_the_host(p, host):
     assert (plans[0].host_desc_tile is not None) == host
 
 
+def test_direct_launch_checks_alignment_of_tensors_only():
+    """The direct launch compares pointer alignment with the compiled kernel's; host-built descriptors among the
+    arguments are skipped there (the first GPU run of the direct path with them raised AttributeError)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    base = torch.zeros(4, 16)
+    desc = TensorDescriptor(base, [4, 16], [16, 1], [4, 16])
+    assert launch._alignment((base, desc, base[:, 1:])) == (True, False)
+
+
 def test_register_cap_reaches_the_compiler():
     """A configuration's ``maxnreg`` goes to Triton with the launch (compiled: ptxas caps the registers and
     spills the rest, which must not change the results)."""

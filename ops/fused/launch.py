@@ -210,10 +210,16 @@ class _Launch:
             _remember_compiled(self, compiled, tensors)
 
 
+def _alignment(tensors) -> tuple:
+    """Which tensor arguments are 16-byte aligned (what Triton specialised the compiled kernel on); host-built
+    TMA descriptors among the arguments are not pointers and are encoded per launch."""
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors if isinstance(t, torch.Tensor))
+
+
 def _compiled_launch(plan: _Launch, tensors) -> bool:
     """Launches ``plan.compiled`` directly; False when the call must take Triton's normal launch."""
     compiled = plan.compiled
-    if compiled is None or tuple(t.data_ptr() % 16 == 0 for t in tensors) != plan.aligned:
+    if compiled is None or _alignment(tensors) != plan.aligned:
         return False
     device = triton.runtime.driver.active.get_current_device()
     if device != plan.device:  # the compiled module is loaded on the device it was launched on
@@ -240,7 +246,7 @@ def _remember_compiled(plan: _Launch, compiled, tensors) -> None:
     if compiled is None or not all(hasattr(compiled, name) for name in needed):
         return  # interpreter, or a Triton whose compiled kernels look different: keep the normal launch
     plan.constexprs = tuple(plan.meta[name] for name in plan.kernel.arg_names if name in plan.meta)
-    plan.aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+    plan.aligned = _alignment(tensors)
     plan.device = triton.runtime.driver.active.get_current_device()
     plan.compiled = compiled
 
