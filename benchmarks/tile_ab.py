@@ -99,9 +99,9 @@ def main():
     print(f"{args.problem}: median ms over {args.rounds} rounds")
     for kernel, (_, variants, times, key) in table.items():
         for name, launch in variants.items():
+            extras = (" tma" if launch.tma else "") + (f" r{launch.maxnreg}" if launch.maxnreg else "")
             print(f"| {kernel} | {name} | {launch.outer_tile} x {launch.inner_tile} w{launch.num_warps} "
-                  f"s{launch.num_stages}{' tma' if launch.tma else ''}{f' r{launch.maxnreg}' if launch.maxnreg else ''} | "
-                  f"{statistics.median(times[name]):.3f} |")
+                  f"s{launch.num_stages}{extras} | {statistics.median(times[name]):.3f} |")
         if args.keep_best:
             best = min(variants, key=lambda name: statistics.median(times[name]))
             autotune._store(key, {**dataclasses.asdict(variants[best]), "ms": statistics.median(times[best])})

@@ -173,7 +173,7 @@ def test_forward_kv_descriptors_built_on_the_host(p, host):
     plans = list(launch._DIRECT.values())
     assert len(plans) == 1 and plans[0].launch.meta["TMA"]  # bfloat16 on the GPU, any dtype interpreted
     assert plans[0].launch.meta["HOST_DESC"] == host
-    assert (plans[0].host_desc_tile is not None) == host
+    assert (plans[0].host_desc_layouts is not None) == host
 
 
 def test_direct_launch_checks_alignment_of_tensors_only():

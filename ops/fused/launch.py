@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import autotune, kernels
 from ..window import NAParams
@@ -111,20 +112,23 @@ def host_descriptors_ok(params: NAParams, k4: torch.Tensor, v4: torch.Tensor, ba
     return True
 
 
-def host_kv_descriptors(params: NAParams, k: torch.Tensor, v: torch.Tensor, kv_tile) -> tuple:
-    """TMA descriptors of k and v as ``[B, L0, L1, L2, heads * D]`` arrays with ``(1, *kv_tile, D)`` boxes (the
-    kernel's ``HOST_DESC``); the launcher encodes them once per launch.  ``k`` / ``v`` may be the flat-token views
-    or the tensors themselves (same memory, ``host_descriptors_ok``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+def host_kv_layouts(params: NAParams, k: torch.Tensor, v: torch.Tensor, kv_tile) -> tuple:
+    """(shape, strides, box) of the forward's host-built K and V descriptors: ``[B, L0, L1, L2, heads * D]`` arrays
+    read in ``(1, *kv_tile, D)`` boxes (the kernel's ``HOST_DESC``).  ``k`` / ``v`` may be the flat-token views or the
+    tensors themselves (same memory, ``host_descriptors_ok``)."""
     L = (1,) * (3 - params.rank) + tuple(params.spatial)
-    out = []
+    layouts = []
     for t in (k, v):
         tok = t.stride(-3)  # token stride: the same in the [B, N, H, D] view and in [B, *spatial, H, D]
         heads, dim = t.shape[-2], t.shape[-1]
-        out.append(TensorDescriptor(t, [t.shape[0], *L, heads * dim], [t.stride(0), L[1] * L[2] * tok, L[2] * tok, tok, 1],
-                                    [1, *kv_tile, dim]))
-    return tuple(out)
+        layouts.append(([t.shape[0], *L, heads * dim], [t.stride(0), L[1] * L[2] * tok, L[2] * tok, tok, 1],
+                        [1, *kv_tile, dim]))
+    return tuple(layouts)
+
+
+def host_kv_descriptors(k: torch.Tensor, v: torch.Tensor, layouts) -> tuple:
+    """The K and V descriptors for this call's tensors (``host_kv_layouts``); the launcher encodes them per launch."""
+    return TensorDescriptor(k, *layouts[0]), TensorDescriptor(v, *layouts[1])
 
 
 def _torch_scratch(size: int, alignment: int, stream):
@@ -261,7 +265,7 @@ class _DirectForward:
     out_shape: tuple
     lse_shape: tuple
     rpb_direct: bool
-    host_desc_tile: tuple | None = None  # K/V tile of the host-built descriptors (rebuilt per call), if any
+    host_desc_layouts: tuple | None = None  # of the host-built K/V descriptors (rebuilt per call), if any
 
 
 _DIRECT: dict[tuple, _DirectForward] = {}
@@ -296,7 +300,7 @@ def forward(q, k, v, rpb, params: NAParams, scale: float):
         out = _empty(plan.out_shape, q.dtype, q.device)
         lse = _empty(plan.lse_shape, torch.float32, q.device)
         bias = (rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])) if rpb is not None else q
-        descs = (q, q) if plan.host_desc_tile is None else host_kv_descriptors(params, k, v, plan.host_desc_tile)
+        descs = (q, q) if plan.host_desc_layouts is None else host_kv_descriptors(k, v, plan.host_desc_layouts)
         plan.launch((q, k, v, bias, out, lse, *descs))
         return out, lse
     return _forward_full(q, k, v, rpb, params, scale, key)
@@ -328,7 +332,8 @@ def _forward_full(q, k, v, rpb, params, scale, key):
 
     def run(launch: autotune.Launch, plan=None):
         programs, scalars, meta = plan or scalars_and_meta(launch)
-        descs = host_kv_descriptors(params, k4, v4, launch.inner_tile) if meta["HOST_DESC"] else (q4, q4)
+        descs = host_kv_descriptors(k4, v4, host_kv_layouts(params, k4, v4, launch.inner_tile)) if meta["HOST_DESC"] \
+            else (q4, q4)
         tensors = (q4, k4, v4, table if has_rpb else q4, out, lse, *descs)
         _launch_chunks(kernels.na_fwd_kernel, programs, hq, b, tensors, scalars, meta)
 
@@ -340,7 +345,7 @@ def _forward_full(q, k, v, rpb, params, scale, key):
         spatial = tuple(q.shape[1:-2])
         _DIRECT[key] = _DirectForward(_Launch(kernels.na_fwd_kernel, (programs, b * hq), scalars, meta),
                                       (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb),
-                                      launch.inner_tile if meta["HOST_DESC"] else None)
+                                      host_kv_layouts(params, k, v, launch.inner_tile) if meta["HOST_DESC"] else None)
     spatial = q.shape[1:-2]
     return out.reshape(b, *spatial, hq, dv), lse.reshape(b, *spatial, hq)
 
