@@ -147,31 +147,48 @@ def _group_descriptor(base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, strid
 
 
 @triton.jit
-def _kv_sources(k_ptr, v_ptr, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh, svh, HEAD_DIM, VALUE_DIM,
-                U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                TMA: tl.constexpr):
-    """Where the loop's K/V tiles come from: group descriptors (``TMA``: bulk copies, no address or mask
-    arithmetic per element), else the K/V pointers of this batch element and head."""
-    if TMA:
-        k_src = _group_descriptor(k_ptr, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, HEAD_DIM, 1, skh,
-                                  U0, U1, U2, BLOCK_D)
-        v_src = _group_descriptor(v_ptr, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, svt, VALUE_DIM, 1, svh,
-                                  U0, U1, U2, BLOCK_DV)
+def _kv_sources(k_ptr, v_ptr, k_desc, v_desc, b, hk, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh, svh,
+                HEAD_DIM, VALUE_DIM, U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, TMA: tl.constexpr, HOST_DESC: tl.constexpr):
+    """Where the loop's K/V tiles come from, and the coordinates of this batch element and head in them
+    (``(lead, k_col, v_col)``, for ``_kv_tile``):
+
+    * ``HOST_DESC``: ``k_desc`` / ``v_desc``, descriptors the host built over ``[B, L0, L1, L2, heads * D]`` (no
+      dilation, power-of-two head dims): nothing to set up per program, where a device-side descriptor costs each
+      program a write and a fence (why TMA lost on short loops, session 5);
+    * ``TMA``: group descriptors built here (bulk copies, no address or mask arithmetic per element);
+    * else the K/V pointers of this batch element and head (``k_desc`` / ``v_desc`` unused)."""
+    if HOST_DESC:
+        k_src = k_desc
+        v_src = v_desc
+        lead = b
+        k_col = hk * BLOCK_D
+        v_col = hk * BLOCK_DV
     else:
-        k_src = k_ptr
-        v_src = v_ptr
-    return k_src, v_src
+        if TMA:
+            k_src = _group_descriptor(k_ptr, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, HEAD_DIM, 1, skh,
+                                      U0, U1, U2, BLOCK_D)
+            v_src = _group_descriptor(v_ptr, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, svt, VALUE_DIM, 1, svh,
+                                      U0, U1, U2, BLOCK_DV)
+        else:
+            k_src = k_ptr
+            v_src = v_ptr
+        lead = 0
+        k_col = 0
+        v_col = 0
+    return k_src, v_src, lead, k_col, v_col
 
 
 @triton.jit
-def _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2, skt, svt,
-             offs_d, offs_dv, d_ok, dv_ok, U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+def _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1,
+             L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr):
     """The K and V tiles of the box at group coordinates (k0, k1, k2), flattened to [U0 * U1 * U2, BLOCK]
-    rows (keys past the group read as zeros either way)."""
+    rows (keys past the group read as zeros either way); ``lead`` / ``k_col`` / ``v_col`` place the box in a
+    descriptor (``_kv_sources``)."""
     if TMA:
-        k = k_src.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_D])
-        v = v_src.load([0, k0, k1, k2, 0]).reshape([U0 * U1 * U2, BLOCK_DV])
+        k = k_src.load([lead, k0, k1, k2, k_col]).reshape([U0 * U1 * U2, BLOCK_D])
+        v = v_src.load([lead, k0, k1, k2, v_col]).reshape([U0 * U1 * U2, BLOCK_DV])
     else:
         k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
         k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
@@ -225,9 +242,7 @@ def na_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     FOLD_SCALE: tl.constexpr, TMA: tl.constexpr, HOST_DESC: tl.constexpr,
 ):
-    # HOST_DESC: K_DESC / V_DESC are TMA descriptors the host built over [B, L0, L1, L2, heads * D] (no dilation, head
-    # dims of a power of two); a program then sets up nothing, where a device-side descriptor costs each program a
-    # write and a fence (the reason TMA lost on short loops, session 5).  Otherwise they are unused.
+    # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (see ``_kv_sources``), else unused.
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -256,12 +271,9 @@ def na_fwd_kernel(
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     c0, c1, c2 = _tile_coords(U0, U1, U2)
-    if HOST_DESC:
-        k_src = K_DESC
-        v_src = V_DESC
-    else:
-        k_src, v_src = _kv_sources(Kp + k_base, V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt,
-                                   skh, svh, HEAD_DIM, VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA)
+    k_src, v_src, lead, k_col, v_col = _kv_sources(Kp + k_base, V + v_base, K_DESC, V_DESC, b, hk, g0, g1, g2, D0, D1,
+                                                   D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh, svh, HEAD_DIM, VALUE_DIM,
+                                                   U0, U1, U2, BLOCK_D, BLOCK_DV, TMA, HOST_DESC)
 
     m_i = tl.full([T0 * T1 * T2], float("-inf"), tl.float32)
     l_i = tl.zeros([T0 * T1 * T2], tl.float32)
@@ -279,12 +291,8 @@ def na_fwd_kernel(
         kj0 = k0 + c0
         kj1 = k1 + c1
         kj2 = k2 + c2
-        if HOST_DESC:
-            k = k_src.load([b, k0, k1, k2, hk * BLOCK_D]).reshape([U0 * U1 * U2, BLOCK_D])
-            v = v_src.load([b, k0, k1, k2, hk * BLOCK_DV]).reshape([U0 * U1 * U2, BLOCK_DV])
-        else:
-            k, v = _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2,
-                            skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
+        k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
+                        D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
         s = tl.dot(q, tl.trans(k))
         if FOLD_SCALE:  # scale > 0, no bias: max of the raw logits, the scale folded into exp2's FMA
             s_scale = qk_scale
@@ -390,8 +398,9 @@ def na_bwd_dq_kernel(
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     c0, c1, c2 = _tile_coords(U0, U1, U2)
-    k_src, v_src = _kv_sources(Kp + k_base, V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh,
-                               svh, HEAD_DIM, VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA)
+    k_src, v_src, lead, k_col, v_col = _kv_sources(Kp + k_base, V + v_base, Kp, V, b, hk, g0, g1, g2, D0, D1, D2, L1,
+                                                   L2, Lg0, Lg1, Lg2, skt, svt, skh, svh, HEAD_DIM, VALUE_DIM, U0, U1,
+                                                   U2, BLOCK_D, BLOCK_DV, TMA, False)
     dq = tl.zeros([T0 * T1 * T2, BLOCK_D], tl.float32)
 
     n0 = tl.cdiv(hi0 - lo0, U0)
@@ -406,8 +415,8 @@ def na_bwd_dq_kernel(
         kj0 = k0 + c0
         kj1 = k1 + c1
         kj2 = k2 + c2
-        k, v = _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2,
-                        skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
+        k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
+                        D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
         p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
                               in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
                               stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB)
@@ -466,13 +475,14 @@ def na_bwd_dkdv_kernel(
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     if QUERY_ROWS:  # k/v are B operands: TMA copies them into the shared memory the matmuls read them from
-        k_src, v_src = _kv_sources(Kp + k_base, V + v_base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt,
-                                   skh, svh, HEAD_DIM, VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA)
-        k, v = _kv_tile(k_src, v_src, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2, L1, L2,
-                        skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
+        k_src, v_src, lead, k_col, v_col = _kv_sources(Kp + k_base, V + v_base, Kp, V, b, hk, g0, g1, g2, D0, D1, D2,
+                                                       L1, L2, Lg0, Lg1, Lg2, skt, svt, skh, svh, HEAD_DIM, VALUE_DIM,
+                                                       U0, U1, U2, BLOCK_D, BLOCK_DV, TMA, False)
+        k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
+                        D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
     else:  # k/v are A operands: an N-D TMA box would pass through registers (2d-flux dK/dV +29%, session 6)
-        k, v = _kv_tile(Kp + k_base, V + v_base, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1, D2,
-                        L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, False)
+        k, v = _kv_tile(Kp + k_base, V + v_base, 0, 0, 0, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
+                        D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, False)
 
     # Inverse neighborhood: queries whose windows reach any key of this tile, per axis.
     ql0 = first_query_reaching(k0, Lg0, K0, S0, CAUSAL0, BISECT)
