@@ -94,8 +94,12 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
     if not first.is_cuda or torch.cuda.get_device_capability(first.device)[0] < 9:
         return False
-    return all(t.dtype in (torch.float16, torch.bfloat16) and t.data_ptr() % 16 == 0 and
-               all(s * t.element_size() % 16 == 0 for s in t.stride()[:3]) for t in tensors)
+    return all(t.dtype in (torch.float16, torch.bfloat16) and _copy_aligned(t) for t in tensors)
+
+
+def _copy_aligned(t: torch.Tensor) -> bool:
+    """Base pointer and batch / token / head strides of a [B, N, H, D] tensor on 16-byte boundaries (TMA's rule)."""
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:3])
 
 
 def host_descriptors_ok(params: NAParams, k4: torch.Tensor, v4: torch.Tensor, batch: int, heads: int) -> bool:
@@ -106,8 +110,7 @@ def host_descriptors_ok(params: NAParams, k4: torch.Tensor, v4: torch.Tensor, ba
         return False
     for t in (k4, v4):
         dim = t.shape[-1]
-        if dim < 16 or dim & (dim - 1) or t.stride(3) != 1 or t.stride(2) != dim or t.data_ptr() % 16 or \
-                any(st * t.element_size() % 16 for st in t.stride()[:3]):
+        if dim < 16 or dim & (dim - 1) or t.stride(3) != 1 or t.stride(2) != dim or not _copy_aligned(t):
             return False
     return True
 
