@@ -15,7 +15,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from ops import functional  # noqa: E402
 from ops.bench import standard_problems  # noqa: E402
 
 
@@ -32,16 +31,11 @@ def main():
     known = {p.name: p for p in standard_problems()}
     for name in args.problems:
         p = known[name]
-        params = p.params
-        shape = (p.batch, *p.spatial, p.heads, p.dim)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        rpb = torch.randn(p.heads, *params.rpb_shape, device="cuda", requires_grad=True) if p.rpb else None
-        d_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        fn = {1: functional.na1d, 2: functional.na2d, 3: functional.na3d}[params.rank]
+        q, k, v, rpb = p.random_inputs("cuda", torch.bfloat16, requires_grad=True)
+        d_out = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
 
         def step():
-            out = fn(q, k, v, p.kernel_size, p.stride, p.dilation, p.causal, rpb=rpb, backend="fused")
-            out.backward(d_out)
+            p.attention(q, k, v, rpb, "fused").backward(d_out)
 
         for _ in range(3):
             step()

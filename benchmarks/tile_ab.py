@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from ops import functional  # noqa: E402
 from ops.bench import standard_problems  # noqa: E402
 from ops.fused import autotune  # noqa: E402
 
@@ -53,19 +52,15 @@ def capture_runs(p):
             runs[kernel] = (run, launch, autotune.problem_key(kernel, q, k, v, params, has_rpb))
         return launch
 
-    params = p.params
-    shape = (p.batch, *p.spatial, p.heads, p.dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    rpb = torch.randn(p.heads, *params.rpb_shape, device="cuda", requires_grad=True) if p.rpb else None
-    fn = {1: functional.na1d, 2: functional.na2d, 3: functional.na3d}[params.rank]
+    q, k, v, rpb = p.random_inputs("cuda", torch.bfloat16, requires_grad=True)
     autotune.pick = recording_pick
     try:
-        out = fn(q, k, v, p.kernel_size, p.stride, p.dilation, p.causal, rpb=rpb, backend="fused")
+        out = p.attention(q, k, v, rpb, "fused")
         out.backward(torch.randn_like(out))
     finally:
         autotune.pick = original
     torch.cuda.synchronize()
-    return runs, params
+    return runs, p.params
 
 
 def main():

@@ -56,6 +56,23 @@ class BenchProblem:
     def params(self) -> NAParams:
         return functional.make_params(self.spatial, self.kernel_size, self.stride, self.dilation, self.causal)
 
+    def random_inputs(self, device, dtype, generator=None, requires_grad=False):
+        """q, k, v ``[B, *spatial, H, D]`` and rpb (float32, scaled by 0.5; None without RPB), standard normal."""
+        shape = (self.batch, *self.spatial, self.heads, self.dim)
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=generator, requires_grad=requires_grad)
+                   for _ in range(3))
+        rpb = None
+        if self.rpb:
+            rpb = torch.randn(self.heads, *self.params.rpb_shape, device=device, dtype=torch.float32,
+                              generator=generator) * 0.5
+            rpb.requires_grad_(requires_grad)
+        return q, k, v, rpb
+
+    def attention(self, q, k, v, rpb, backend: str):
+        """The problem's neighborhood attention of these inputs on ``backend``."""
+        fn = {1: functional.na1d, 2: functional.na2d, 3: functional.na3d}[len(self.spatial)]
+        return fn(q, k, v, self.kernel_size, self.stride, self.dilation, self.causal, rpb=rpb, backend=backend)
+
 
 def standard_problems() -> list[BenchProblem]:
     """DESIGN.md's problem set (plus the stride variants and nat-s1 with RPB for the backward)."""
@@ -165,11 +182,8 @@ def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log)
     params = p.params
     n = params.num_tokens
     gen = torch.Generator(device=device).manual_seed(0)
-    shape = (p.batch, *p.spatial, p.heads, p.dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(3))
-    rpb = torch.randn(p.heads, *params.rpb_shape, device=device, dtype=torch.float32, generator=gen) * 0.5 \
-        if p.rpb else None
-    d_out = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+    q, k, v, rpb = p.random_inputs(device, dtype, gen)
+    d_out = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
     mode = "fwd+bwd" if backward else "fwd"
     factor = 3.5 if backward else 1.0
     w = keys_per_query(params)
@@ -204,7 +218,6 @@ def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log)
     log(f"  sdpa       {sdpa_ms:9.3f} ms  ({time.time() - t0:.1f}s)")
     del sq, sk, sv, sdo
 
-    fn_rank = {1: functional.na1d, 2: functional.na2d, 3: functional.na3d}[params.rank]
     for name in backends:
         row = Row(p.name, name, mode)
         rows.append(row)
@@ -221,7 +234,7 @@ def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log)
             rr = rpb.detach().requires_grad_(True) if rpb is not None else None
 
         def call():
-            return fn_rank(qq, kk, vv, p.kernel_size, p.stride, p.dilation, p.causal, rpb=rr, backend=name)
+            return p.attention(qq, kk, vv, rr, name)
 
         if backward:
             def fn():
