@@ -120,7 +120,7 @@ TILED = [
     _fixed((96,), 40, dim=32, dim_v=16, heads=1),
     _fixed((60,), 21, s=7, d=2, c=True, heads=2, heads_kv=1),
     _fixed((12, 10), (7, 3), rpb=True, dim=24, heads=1),
-    _fixed((4, 6, 8), (3, 3, 4), s=(2, 1, 3), d=(1, 2, 1), c=(True, False, False), heads=1),
+    _fixed((4, 6, 8), (3, 3, 4), s=(2, 1, 3), d=(1, 2, 1), c=(True, False, False)),  # GQA: 2 query heads, 1 kv
 ]
 TILED_SLOW = [
     _fixed((20, 18), (9, 7), rpb=True, dim=24),
