@@ -8,6 +8,7 @@ GPU float32 matmuls run in tf32 (5e-3); bfloat16 / float16 inputs 3e-2 / 1e-2.
 Every output buffer of the kernels is poisoned with NaN first (so an unwritten element fails).
 """
 import os
+import math
 import random
 
 import pytest
@@ -477,15 +478,38 @@ def test_tma_launch_installs_a_scratch_allocator_in_its_thread():
 
 
 def test_default_tma_only_for_long_loops():
-    """The head-dim-128 defaults use TMA, except where a program loops over few tiles (descriptor set-up
-    would dominate): a 7x7 window on 56x56 keeps pointer loads, an 80x80 window uses TMA."""
+    """The head-dim-128 defaults use TMA, except where a program builds its own descriptors and loops over few
+    tiles (descriptor set-up would dominate): a 7x7 window on 56x56 keeps pointer loads in the backward and in a
+    dilated forward; an undilated forward takes host-built descriptors; an 80x80 window uses TMA."""
     small = NAParams((56, 56), (7, 7), (1, 1), (1, 1), (False, False))
+    small_dilated = NAParams((56, 56), (7, 7), (1, 1), (2, 2), (False, False))
     large = NAParams((256, 256), (80, 80), (1, 1), (1, 1), (False, False))
     for kernel in ("fwd", "dq", "dkdv"):
         assert autotune.default_config(kernel, 128).tma
-        assert not autotune._default_launch(kernel, small, 128).tma
+        assert autotune._default_launch(kernel, small, 128).tma == (kernel == "fwd")
+        assert not autotune._default_launch(kernel, small_dilated, 128).tma
         assert autotune._default_launch(kernel, large, 128).tma
         assert not autotune._default_launch(kernel, large, 32).tma  # head dim 32: pointer loads
+
+
+def test_head_dim_32_defaults_follow_the_window_regime():
+    """Head dims up to 32: small windows get 16-query one-warp tiles (half the keys per query of the table's
+    tiles, the forward with TMA loads from host-built descriptors), windows that cover their whole dilation group
+    one 64-query tile per group, other windows the head-dim table; wider heads ignore the regime."""
+    nat = NAParams((56, 56), (7, 7), (1, 1), (1, 1), (False, False))
+    dinat = NAParams((56, 56), (7, 7), (1, 1), (8, 8), (False, False))
+    large = NAParams((64, 64), (13, 13), (1, 1), (1, 1), (False, False))
+    assert [autotune.window_regime(p) for p in (nat, dinat, large)] == ["small", "dense-group", "large"]
+    fwd = autotune._default_launch("fwd", nat, 32)
+    assert (fwd.outer_tile, fwd.inner_tile, fwd.num_warps, fwd.tma) == ((1, 2, 8), (1, 4, 16), 1, True)
+    for kernel in ("dq", "dkdv"):
+        launch = autotune._default_launch(kernel, nat, 32)
+        assert math.prod(launch.outer_tile) == 16 and launch.num_warps == 1 and not launch.tma
+    dense = autotune._default_launch("fwd", dinat, 32)
+    assert (dense.outer_tile, dense.inner_tile, dense.num_warps) == ((1, 8, 8), (1, 8, 8), 4)
+    for params in (large, nat):
+        assert autotune.default_config("fwd", 32, params if params is large else None) == autotune.DEFAULTS["fwd"][0][1]
+    assert autotune.default_config("fwd", 64, nat) == autotune.default_config("fwd", 64)
 
 
 @pytest.mark.parametrize("tma", [False, True])

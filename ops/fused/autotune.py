@@ -64,6 +64,18 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
     "drpb": [(256, Config(64, 1, 4, 1))],
 }
 
+# Head dims up to 32 (NAT / DiNAT) by window regime, measured on an H100 against the table above (session 8,
+# RESULTS.md; tuner's timing, bf16):
+# * small windows (at most SMALL_WINDOW keys, smaller than the dilation group): 16-query tiles on one warp reach
+#   about half the keys of 32- or 64-query tiles.  nat-s1 fwd 0.242 -> 0.128 ms, dK/dV 0.356 -> 0.290; nat-s1 with
+#   RPB fwd 0.424 -> 0.216, dQ 0.496 -> 0.232, dK/dV 0.573 -> 0.332; nat-s3 fwd 0.063 -> 0.039, dK/dV 0.086 -> 0.066.
+# * windows covering their whole dilation group (DiNAT's dilated layers): dense attention inside each group, one
+#   64-query tile per group.  dinat-s1 fwd 0.189 -> 0.115 ms.
+SMALL_WINDOW = 81
+SMALL_WINDOW_DEFAULTS = {"fwd": Config(16, 64, 1, 2, True), "dq": Config(16, 32, 1, 2), "dkdv": Config(16, 32, 1, 2)}
+DENSE_GROUP_DEFAULTS = {"fwd": Config(64, 64, 4, 3)}
+REGIME_MAX_WIDTH = 32
+
 # Candidates the tuner times (besides the default).
 CANDIDATES: dict[str, list[Config]] = {
     "fwd": [Config(128, 64, 8, 3), Config(128, 64, 8, 2), Config(128, 128, 8, 2), Config(64, 64, 4, 3),
@@ -169,8 +181,25 @@ def problem_key(kernel: str, q, k, v, params, has_rpb: bool) -> str:
     )
 
 
-def default_config(kernel: str, head_dim: int) -> Config:
-    """The defaults-table entry for a ``row_width``."""
+def window_regime(params) -> str:
+    """``"dense-group"`` where the window covers its whole dilation group on every axis, ``"small"`` for windows of
+    at most ``SMALL_WINDOW`` keys, else ``"large"``."""
+    axes = axes_of(params)
+    if all(a.K >= a.Lg for a in axes):
+        return "dense-group"
+    window = 1
+    for a in axes:
+        window *= a.K
+    return "small" if window <= SMALL_WINDOW else "large"
+
+
+def default_config(kernel: str, head_dim: int, params=None) -> Config:
+    """The defaults-table entry for a ``row_width`` (and, given the problem, its window regime)."""
+    if params is not None and head_dim <= REGIME_MAX_WIDTH:
+        regime = window_regime(params)
+        table = {"small": SMALL_WINDOW_DEFAULTS, "dense-group": DENSE_GROUP_DEFAULTS}.get(regime, {})
+        if kernel in table:
+            return table[kernel]
     for bound, cfg in DEFAULTS[kernel]:
         if head_dim <= bound:
             return cfg
@@ -239,19 +268,20 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma) -> Launch:
     return _default_launch(kernel, params, row_width(max(q.shape[-1], v.shape[-1]), q.dtype))
 
 
-# A program builds its TMA descriptors once, so TMA pays only over a long enough loop.  Measured on
-# an H100 with default tiles (RESULTS.md, session 5): a loop of 5 inner tiles (nat-s1) ran 35% slower
-# with TMA, 14 tiles (3d-causal) the same, 121 tiles (2d-flux) 12% faster.  Since session 7 the forward
-# takes descriptors built on the host where the layout allows (``launch.host_descriptors_ok``), and there
-# TMA won on nat-s1 too (0.147 -> 0.132 ms, tuned tiles); the rule is kept for the defaults, which were
-# not re-measured, and for the backward, whose programs still build their own.
+# A program that builds its TMA descriptors itself pays for it once, so TMA pays only over a long enough loop.
+# Measured on an H100 with default tiles (RESULTS.md, session 5): a loop of 5 inner tiles (nat-s1) ran 35%
+# slower with TMA, 14 tiles (3d-causal) the same, 121 tiles (2d-flux) 12% faster.  The forward of an undilated
+# problem takes descriptors built on the host (``launch.host_descriptors_ok``; packed heads, power-of-two head
+# dims), and there TMA wins on short loops too (nat-s1, 2 tiles: 0.154 -> 0.128 ms, session 8).
 MIN_TMA_LOOP = 16
 
 
 def _default_launch(kernel: str, params, width: int) -> Launch:
-    """The defaults-table launch for a ``row_width``, without TMA where a program's loop is short."""
-    launch = resolve(default_config(kernel, width), params, kernel)
-    if launch.tma:
+    """The defaults-table launch for a ``row_width``, without TMA where a program's loop is short and builds
+    its own descriptors."""
+    launch = resolve(default_config(kernel, width, params), params, kernel)
+    host_descriptors = kernel == "fwd" and all(d == 1 for d in params.dilation)
+    if launch.tma and not host_descriptors:
         outer, inner = launch.outer_tile, launch.inner_tile
         axes = axes_of(params)
         pad = 3 - len(axes)
@@ -276,7 +306,7 @@ def _kernel_ms(fn) -> float:
 
 def _tune(kernel, q, params, run, key, tma):
     seen, results = set(), []
-    default = default_config(kernel, row_width(q.shape[-1], q.dtype))  # q/k rows set the register budget
+    default = default_config(kernel, row_width(q.shape[-1], q.dtype), params)  # q/k rows set the register budget
     for cfg in [default] + CANDIDATES[kernel]:
         if cfg.tma and not tma:  # would run as its pointer-load twin: time that one (once)
             cfg = dataclasses.replace(cfg, tma=False)

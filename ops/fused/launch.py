@@ -89,8 +89,8 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
     copies: a Hopper or newer GPU with 16-bit values (the interpreter runs the same kernel code in any
     dtype), base pointers and batch / token / head strides on 16-byte boundaries (the copy engine's
     rule; the descriptors step whole tokens and heads)."""
-    if _interpreted():
-        return True
+    if _interpreted():  # any GPU and dtype, but the copy engine's alignment rule still holds for descriptors
+        return all(_copy_aligned(t) for t in tensors)
     first = tensors[0]
     if not first.is_cuda or torch.cuda.get_device_capability(first.device)[0] < 9:
         return False
