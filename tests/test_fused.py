@@ -228,6 +228,26 @@ def test_half_precision(dtype, tma):
         _assert_tma_used(tma)
 
 
+@pytest.mark.parametrize("p", [_fixed((40,), 21, dim=16, heads=2, heads_kv=2), _fixed((9, 11), (5, 7), rpb=True)],
+                         ids=["1d", "2d-rpb"])
+def test_forward_large_logits(p):
+    """Logits spread over hundreds (queries scaled by 400): the online softmax must follow a row's max as it grows
+    from one key tile to the next, or exp2 overflows (a kernel that kept the first tile's max fails here); fp32,
+    against the oracle."""
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    q, k, v, rpb = p.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
+    q = q * 400.0
+    with autotune.forced(fwd=Config(16, 16, 4, 1)):
+        out, lse = ops.neighborhood_attention(len(p.spatial), q, k, v, **p.kwargs(), rpb=rpb, return_lse=True,
+                                              backend="fused")
+    ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial,
+                                        p.kernel_size, p.stride, p.dilation, p.causal,
+                                        rpb=None if rpb is None else rpb.double().cpu())
+    tol = max(TOL[torch.float32], 1e-3)  # logits of ~500 keep only ~5 significant digits of p in float32
+    assert _rel_err(out, ref_out) < tol
+    assert _rel_err(lse, ref_lse) < tol
+
+
 def test_additional_keys_merge_through_lse():
     """functional.py merges extra keys through the lse: the lse gradient path of the backward."""
     _run(_fixed((30,), 7, s=2, heads=2, heads_kv=1), torch.float32, grads=True, extra=5)
