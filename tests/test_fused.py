@@ -243,7 +243,9 @@ def test_forward_large_logits(p):
     ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial,
                                         p.kernel_size, p.stride, p.dilation, p.causal,
                                         rpb=None if rpb is None else rpb.double().cpu())
-    tol = max(TOL[torch.float32], 1e-3)  # logits of ~500 keep only ~5 significant digits of p in float32
+    # logits of ~500 keep ~5 significant digits of p in float32, and ~1 in the GPU's tf32 matmuls (measured 0.04 on
+    # an H100); an overflow (the bug this is for) gives inf / NaN, which _rel_err rejects at any tolerance
+    tol = 1e-3 if INTERPRETED else 0.1
     assert _rel_err(out, ref_out) < tol
     assert _rel_err(lse, ref_lse) < tol
 
