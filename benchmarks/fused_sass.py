@@ -1,0 +1,181 @@
+"""Instruction counts of a fused kernel's sm_90 SASS per basic block, for one problem and tile (no GPU needed).
+
+    python benchmarks/fused_sass.py 128,2,32,56x56,7x7 --outer 1x2x8 --inner 1x4x16 --warps 1 --stages 2 \\
+        --maxnreg 112 --tma --host-desc
+    python benchmarks/fused_sass.py 2,16,64,16x32x32,5x7x7,1,1,1x0x0 --outer 4x2x8 --inner 4x8x2 --tma --host-desc
+
+The problem is ``B,H,D,spatial,K[,stride,dilation,causal]`` as in ``ops.bench --custom`` (without the name).  The
+kernel is compiled the way the launcher's call compiles it: integer arguments equal to 1 become constants and
+multiples of 16 carry the divisibility hint, so the counts match the code that runs.  For each basic block the script
+prints its instruction count, whether it sits inside a loop (between a backward branch and its target) and its most
+frequent opcodes; the sum over a loop's blocks is the static cost of one step.  Static counts are an upper bound on a
+step's dynamic count where a block is branched around (masks of unmasked tiles).  Session 8 found two integer
+divisions per loop step this way (RESULTS.md).  Like ``fused_compile_check.py`` it loads the kernels without
+importing ``ops`` (no torch), so an environment with the device's Triton version can run it.
+"""
+import argparse
+import collections
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _compile_check_module():
+    spec = importlib.util.spec_from_file_location("fused_compile_check", os.path.join(HERE, "fused_compile_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_problem(text: str):
+    fields = text.split(",")
+    if len(fields) < 5:
+        raise SystemExit(f"problem: expected B,H,D,spatial,K[,stride,dilation,causal], got {text!r}")
+    axes = lambda s: tuple(int(x) for x in s.split("x"))  # noqa: E731
+    b, h, d = (int(x) for x in fields[:3])
+    spatial = axes(fields[3])
+    per_axis = lambda s: axes(s) if "x" in s else axes(s) * len(spatial)  # noqa: E731
+    kernel_size = per_axis(fields[4])
+    stride = per_axis(fields[5]) if len(fields) > 5 else (1,) * len(spatial)
+    dilation = per_axis(fields[6]) if len(fields) > 6 else (1,) * len(spatial)
+    causal = tuple(bool(c) for c in per_axis(fields[7])) if len(fields) > 7 else (False,) * len(spatial)
+    return b, h, d, spatial, kernel_size, stride, dilation, causal
+
+
+def pad3(t, fill):
+    return (fill,) * (3 - len(t)) + tuple(t)
+
+
+def int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer):
+    """The kernel's integer arguments for contiguous [B, N, H, D] tensors (lse / delta: [B, N, H])."""
+    L, K, S, D = pad3(spatial, 1), pad3(kernel_size, 1), pad3(stride, 1), pad3(dilation, 1)
+    n = math.prod(L)
+    values = dict(HQ=h, HKV=h, GROUP=1, HEAD_DIM=d, VALUE_DIM=d)
+    for i in range(3):
+        groups = -(-L[i] // D[i])
+        values.update({f"L{i}": L[i], f"K{i}": K[i], f"S{i}": S[i], f"D{i}": D[i],
+                       f"NT{i}": -(-groups // outer[i]), f"NU{i}": -(-groups // outer[i])})
+    for name in fn.arg_names:
+        if re.fullmatch(r"s[a-z]{0,2}[bth]", name):  # strides: batch, token, head
+            rows = name.startswith("sl")  # lse / delta have no head dim
+            values[name] = {"b": n * h * (1 if rows else d), "t": h * (1 if rows else d), "h": 1 if rows else d}[name[-1]]
+    return values
+
+
+def build(fn, constexprs, ints, warps, stages, maxnreg, cc):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("K_DESC", "V_DESC") and constexprs.get("HOST_DESC"):
+            width = constexprs["BLOCK_D"] if name == "K_DESC" else constexprs["BLOCK_DV"]
+            box = ",".join(str(constexprs[f"U{a}"]) for a in range(3))
+            signature[name] = f"tensordesc<bf16[1,{box},{width}]>"
+        elif name in cc.POINTERS:
+            signature[name] = "*fp32" if name in ("RPB", "LSE", "DELTA", "DRPB") else "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in cc.FLOATS:
+            signature[name] = "fp32"
+        elif ints[name] == 1:  # the launcher specialises ints equal to 1 into constants
+            signature[name] = "constexpr"
+            constants[name] = 1
+        else:
+            signature[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
+    compiled = triton.compile(triton.compiler.ASTSource(fn, signature, constants, attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
+        fh.write(compiled.asm["cubin"])
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    return subprocess.run([nvdisasm, "-c", fh.name], capture_output=True, text=True, check=True).stdout
+
+
+def blocks(sass: str):
+    """[(label, [(address, opcode, branch target)])] in program order."""
+    out, current = [], ("entry", [])
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            out.append(current)
+            current = (label.group(1), [])
+            continue
+        ins = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;", line)
+        if ins:
+            text = re.sub(r"^@!?U?P\w+\s+", "", ins.group(2))
+            target = re.search(r"`\((\.L_x_\d+)\)", text)
+            current[1].append((int(ins.group(1), 16), text.split()[0].split(".")[0], target and target.group(1)))
+    out.append(current)
+    return [b for b in out if b[1]]
+
+
+def report(sass: str) -> None:
+    found = blocks(sass)
+    start = {label: ins[0][0] for label, ins in found}
+    # (first, last address) of each backward branch's range; the out-of-line retry loops of barrier waits that
+    # ptxas places after the last EXIT are not the kernel's loops
+    end = max(address for _, ins in found for address, op, _ in ins if op == "EXIT")
+    loops = []
+    for _, ins in found:
+        for address, _, target in ins:
+            if target in start and start[target] <= address <= end:
+                loops.append((start[target], address))
+    total = 0
+    print(f"{'block':>10} {'instr':>6} {'loop':>5}  opcodes")
+    for label, ins in found:
+        ops = [op for _, op, _ in ins if op != "NOP"]
+        total += len(ops)
+        inside = any(lo <= ins[0][0] <= hi for lo, hi in loops)
+        if ins[0][0] > end:
+            label += "*"  # out of line, after the last EXIT
+        top = " ".join(f"{k}:{v}" for k, v in collections.Counter(ops).most_common(10))
+        print(f"{label:>10} {len(ops):>6} {'yes' if inside else '':>5}  {top}")
+    print(f"{'total':>10} {total:>6}   (* = out-of-line blocks after the last EXIT: barrier-wait retries)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("problem", help="B,H,D,spatial,K[,stride,dilation,causal] (per-axis values joined by 'x')")
+    ap.add_argument("--kernel", choices=["fwd", "dq", "dkdv"], default="fwd")
+    ap.add_argument("--outer", required=True, help="outer tile, e.g. 1x2x8 (queries for fwd / dq, keys for dkdv)")
+    ap.add_argument("--inner", required=True, help="inner tile, e.g. 1x4x16")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--maxnreg", type=int, default=None)
+    ap.add_argument("--tma", action="store_true", help="TMA loads of the looped-over tiles")
+    ap.add_argument("--host-desc", action="store_true", help="forward: K/V descriptors built on the host")
+    ap.add_argument("--rpb", action="store_true")
+    args = ap.parse_args()
+
+    b, h, d, spatial, kernel_size, stride, dilation, causal = parse_problem(args.problem)
+    outer = tuple(int(x) for x in args.outer.split("x"))
+    inner = tuple(int(x) for x in args.inner.split("x"))
+    outer, inner = pad3(outer, 1), pad3(inner, 1)
+    cc = _compile_check_module()
+    fn = {"fwd": cc.kernels.na_fwd_kernel, "dq": cc.kernels.na_bwd_dq_kernel, "dkdv": cc.kernels.na_bwd_dkdv_kernel}[
+        args.kernel]
+    q_tile, kv_tile = (inner, outer) if args.kernel == "dkdv" else (outer, inner)
+    block = max(16, 1 << (d - 1).bit_length())
+    constexprs = cc.window_constexprs(len(spatial), q_tile, kv_tile, block, block, args.rpb, pad3(causal, False))
+    constexprs["TMA"] = args.tma
+    if args.kernel == "fwd":
+        constexprs.update(FOLD_SCALE=not args.rpb, HOST_DESC=args.tma and args.host_desc)
+    elif args.kernel == "dkdv":
+        groups = [-(-L // dl) for L, dl in zip(spatial, dilation)]
+        constexprs.update(BISECT=max(g.bit_length() for g in groups), QUERY_ROWS=math.prod(q_tile) >= 64)
+    ints = int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer)
+    report(build(fn, constexprs, ints, args.warps, args.stages, args.maxnreg, cc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
