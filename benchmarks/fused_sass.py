@@ -34,18 +34,17 @@ def _compile_check_module():
 
 
 def parse_problem(text: str):
-    fields = text.split(",")
-    if len(fields) < 5:
-        raise SystemExit(f"problem: expected B,H,D,spatial,K[,stride,dilation,causal], got {text!r}")
-    axes = lambda s: tuple(int(x) for x in s.split("x"))  # noqa: E731
-    b, h, d = (int(x) for x in fields[:3])
-    spatial = axes(fields[3])
-    per_axis = lambda s: axes(s) if "x" in s else axes(s) * len(spatial)  # noqa: E731
-    kernel_size = per_axis(fields[4])
-    stride = per_axis(fields[5]) if len(fields) > 5 else (1,) * len(spatial)
-    dilation = per_axis(fields[6]) if len(fields) > 6 else (1,) * len(spatial)
-    causal = tuple(bool(c) for c in per_axis(fields[7])) if len(fields) > 7 else (False,) * len(spatial)
-    return b, h, d, spatial, kernel_size, stride, dilation, causal
+    """(B, H, D, spatial, K, stride, dilation, causal) of an ``ops.spec`` problem spec, defaults filled in."""
+    spec = importlib.util.spec_from_file_location("_ops_spec", os.path.join(os.path.dirname(HERE), "ops", "spec.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        f = module.parse_problem_spec(text)
+    except ValueError as err:
+        raise SystemExit(f"problem: {err}") from None
+    ones = (1,) * len(f["spatial"])
+    return (f["batch"], f["heads"], f["dim"], f["spatial"], f["kernel_size"], f["stride"] or ones,
+            f["dilation"] or ones, f["causal"] or (False,) * len(f["spatial"]))
 
 
 def pad3(t, fill):

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import functional
+from .spec import parse_problem_spec
 from .window import NAParams, keys_per_query, neighbor_table
 
 
@@ -93,20 +94,14 @@ def standard_problems() -> list[BenchProblem]:
 
 
 def parse_custom(text: str) -> BenchProblem:
-    """``name:B,H,D,spatial,K,stride,dilation,causal`` with per-axis values joined by 'x'."""
+    """``name:B,H,D,spatial,K,stride,dilation,causal`` with per-axis values joined by 'x' (``ops.spec``)."""
     name, _, spec = text.partition(":")
-    fields = spec.split(",")
-    if len(fields) < 5:
-        raise ValueError(f"--custom: expected name:B,H,D,spatial,K[,stride,dilation,causal[,rpb]], got {text!r}")
-    axes = lambda s: tuple(int(x) for x in s.split("x"))  # noqa: E731
-    b, h, d = (int(x) for x in fields[:3])
-    spatial = axes(fields[3])
-    per_axis = lambda s: (axes(s) * len(spatial))[: len(spatial)] if "x" not in s else axes(s)  # noqa: E731
-    stride = per_axis(fields[5]) if len(fields) > 5 else None
-    dilation = per_axis(fields[6]) if len(fields) > 6 else None
-    causal = tuple(bool(c) for c in per_axis(fields[7])) if len(fields) > 7 else None
-    rpb = len(fields) > 8 and fields[8] not in ("0", "")
-    return BenchProblem(name, b, h, d, spatial, per_axis(fields[4]), stride, dilation, causal, rpb)
+    try:
+        f = parse_problem_spec(spec)
+    except ValueError as err:
+        raise ValueError(f"--custom: expected name:B,H,D,spatial,K[,stride,dilation,causal[,rpb]], got {text!r}") from err
+    return BenchProblem(name, f["batch"], f["heads"], f["dim"], f["spatial"], f["kernel_size"], f["stride"],
+                        f["dilation"], f["causal"], f["rpb"])
 
 
 # ------------------------------------------------------------------------------------------------
