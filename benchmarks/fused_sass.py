@@ -71,26 +71,17 @@ def build(fn, constexprs, ints, warps, stages, maxnreg, cc):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    signature, constants, attrs = {}, dict(constexprs), {}
+    # fused_compile_check's signature and pointer hints, plus the launcher's integer specialisation
+    signature, constants = cc.signature(fn, constexprs, "bf16"), dict(constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in cc.POINTERS}
     for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in ("K_DESC", "V_DESC") and constexprs.get("HOST_DESC"):
-            width = constexprs["BLOCK_D"] if name == "K_DESC" else constexprs["BLOCK_DV"]
-            box = ",".join(str(constexprs[f"U{a}"]) for a in range(3))
-            signature[name] = f"tensordesc<bf16[1,{box},{width}]>"
-        elif name in cc.POINTERS:
-            signature[name] = "*fp32" if name in ("RPB", "LSE", "DELTA", "DRPB") else "*bf16"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in cc.FLOATS:
-            signature[name] = "fp32"
-        elif ints[name] == 1:  # the launcher specialises ints equal to 1 into constants
+        if signature[name] != "i32":
+            continue
+        if ints[name] == 1:  # ints equal to 1 become constants
             signature[name] = "constexpr"
             constants[name] = 1
-        else:
-            signature[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif ints[name] % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     options = {"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
     compiled = triton.compile(triton.compiler.ASTSource(fn, signature, constants, attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
