@@ -46,8 +46,8 @@ def capture_runs(p):
     runs = {}
     original = autotune.pick
 
-    def recording_pick(kernel, q, k, v, params, has_rpb, run, tunable=True, tma=False):
-        launch = original(kernel, q, k, v, params, has_rpb, run, tunable, tma)
+    def recording_pick(kernel, q, k, v, params, has_rpb, run, tunable=True, tma=False, host_descriptors=False):
+        launch = original(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
         if run is not None:
             runs[kernel] = (run, launch, autotune.problem_key(kernel, q, k, v, params, has_rpb))
         return launch

@@ -501,17 +501,38 @@ def test_tma_launch_installs_a_scratch_allocator_in_its_thread():
 
 def test_default_tma_only_for_long_loops():
     """The head-dim-128 defaults use TMA, except where a program builds its own descriptors and loops over few
-    tiles (descriptor set-up would dominate): a 7x7 window on 56x56 keeps pointer loads in the backward and in a
-    dilated forward; an undilated forward takes host-built descriptors; an 80x80 window uses TMA."""
+    tiles (descriptor set-up would dominate): a 7x7 window on 56x56 keeps pointer loads unless the launcher builds
+    the descriptors on the host; an 80x80 window uses TMA either way."""
     small = NAParams((56, 56), (7, 7), (1, 1), (1, 1), (False, False))
-    small_dilated = NAParams((56, 56), (7, 7), (1, 1), (2, 2), (False, False))
     large = NAParams((256, 256), (80, 80), (1, 1), (1, 1), (False, False))
     for kernel in ("fwd", "dq", "dkdv"):
         assert autotune.default_config(kernel, 128).tma
-        assert autotune._default_launch(kernel, small, 128).tma == (kernel == "fwd")
-        assert not autotune._default_launch(kernel, small_dilated, 128).tma
+        assert not autotune._default_launch(kernel, small, 128).tma
+        assert autotune._default_launch(kernel, small, 128, host_descriptors=True).tma
         assert autotune._default_launch(kernel, large, 128).tma
         assert not autotune._default_launch(kernel, large, 32).tma  # head dim 32: pointer loads
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_forward_default_keeps_tma_only_with_host_descriptors(monkeypatch, packed):
+    """The launcher tells the defaults whether the forward's descriptors are built on the host, as it decides with
+    the tensors in hand: packed heads with a power-of-two head dim get them (and TMA on a short loop); keys and
+    values whose heads are not packed (a slice of a wider tensor) build them per program, so the short loop keeps
+    pointer loads.  (autotune used to guess from the dilation alone.)"""
+    monkeypatch.setattr(autotune, "_memo", {})
+    monkeypatch.setattr(autotune, "_cache", {})
+    params = NAParams((6, 6), (3, 3), (1, 1), (1, 1), (False, False))
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 6, 6, 2, 32, generator=gen).to(DEVICE)
+    kv = torch.randn(2, 1, 6, 6, 2, 32 if packed else 64, generator=gen).to(DEVICE)
+    k, v = kv[0, ..., :32], kv[1, ..., :32]
+    out = ops.na2d(q, k, v, 3, backend="fused")
+    ref, _ = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), (6, 6), (3, 3), (1, 1), (1, 1),
+                              (False, False))
+    assert _rel_err(out, ref) < TOL[torch.float32]
+    (memo_key, launch), = [(key, got) for key, got in autotune._memo.items() if key[0] == "fwd"]
+    assert memo_key[-1] == packed  # host descriptors
+    assert autotune.window_regime(params) == "small" and launch.tma == packed
 
 
 def test_head_dim_32_defaults_follow_the_window_regime():
@@ -522,7 +543,7 @@ def test_head_dim_32_defaults_follow_the_window_regime():
     dinat = NAParams((56, 56), (7, 7), (1, 1), (8, 8), (False, False))
     large = NAParams((64, 64), (13, 13), (1, 1), (1, 1), (False, False))
     assert [autotune.window_regime(p) for p in (nat, dinat, large)] == ["small", "dense-group", "large"]
-    fwd = autotune._default_launch("fwd", nat, 32)
+    fwd = autotune._default_launch("fwd", nat, 32, host_descriptors=True)
     assert (fwd.outer_tile, fwd.inner_tile, fwd.num_warps, fwd.tma) == ((1, 2, 8), (1, 4, 16), 1, True)
     for kernel in ("dq", "dkdv"):
         launch = autotune._default_launch(kernel, nat, 32)

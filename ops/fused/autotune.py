@@ -240,22 +240,24 @@ def resolve(cfg: Config, params, kernel: str) -> Launch:
     return Launch(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages, cfg.tma, cfg.maxnreg)
 
 
-def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True, tma: bool = False) -> Launch:
+def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True, tma: bool = False,
+         host_descriptors: bool = False) -> Launch:
     """Configuration for one kernel launch; ``run(launch)`` executes the kernel once (for tuning).
     ``tma``: the launch can use TMA loads (else the tuner skips those candidates, which would run as
-    their pointer-load twins)."""
+    their pointer-load twins); ``host_descriptors``: its TMA descriptors are built on the host
+    (``launch.host_descriptors_ok``), which decides whether the defaults keep TMA on short loops."""
     if kernel in _forced:
         return resolve(_forced[kernel], params, kernel)
     # Host time matters for small problems: one dict lookup per launch once a problem was seen.
     memo_key = (kernel, params, q.dtype, tuple(q.shape), k.shape[-2], v.shape[-1], has_rpb, q.device,
-                tunable and autotune_enabled(), tma)
+                tunable and autotune_enabled(), tma, host_descriptors)
     launch = _memo.get(memo_key)
     if launch is None:
-        launch = _memo[memo_key] = _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma)
+        launch = _memo[memo_key] = _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
     return launch
 
 
-def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma) -> Launch:
+def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors) -> Launch:
     key = problem_key(kernel, q, k, v, params, has_rpb)
     entry = _load().get(key)
     if entry is not None:
@@ -265,22 +267,21 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma) -> Launch:
         launch = _tune(kernel, q, params, run, key, tma)
         if launch is not None:
             return launch
-    return _default_launch(kernel, params, row_width(max(q.shape[-1], v.shape[-1]), q.dtype))
+    return _default_launch(kernel, params, row_width(max(q.shape[-1], v.shape[-1]), q.dtype), host_descriptors)
 
 
 # A program that builds its TMA descriptors itself pays for it once, so TMA pays only over a long enough loop.
 # Measured on an H100 with default tiles (RESULTS.md, session 5): a loop of 5 inner tiles (nat-s1) ran 35%
-# slower with TMA, 14 tiles (3d-causal) the same, 121 tiles (2d-flux) 12% faster.  The forward of an undilated
-# problem takes descriptors built on the host (``launch.host_descriptors_ok``; packed heads, power-of-two head
-# dims), and there TMA wins on short loops too (nat-s1, 2 tiles: 0.154 -> 0.128 ms, session 8).
+# slower with TMA, 14 tiles (3d-causal) the same, 121 tiles (2d-flux) 12% faster.  Where the launcher builds the
+# descriptors on the host (the forward of an undilated problem with packed heads and power-of-two head dims,
+# ``launch.host_descriptors_ok``), TMA wins on short loops too (nat-s1, 2 tiles: 0.154 -> 0.128 ms, session 8).
 MIN_TMA_LOOP = 16
 
 
-def _default_launch(kernel: str, params, width: int) -> Launch:
+def _default_launch(kernel: str, params, width: int, host_descriptors: bool = False) -> Launch:
     """The defaults-table launch for a ``row_width``, without TMA where a program's loop is short and builds
-    its own descriptors."""
+    its own descriptors (``host_descriptors``: the launcher passes them in, as it decided with the tensors)."""
     launch = resolve(default_config(kernel, width, params), params, kernel)
-    host_descriptors = kernel == "fwd" and all(d == 1 for d in params.dilation)
     if launch.tma and not host_descriptors:
         outer, inner = launch.outer_tile, launch.inner_tile
         axes = axes_of(params)

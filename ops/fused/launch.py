@@ -331,24 +331,25 @@ def _forward_full(q, k, v, rpb, params, scale, key):
         meta["HOST_DESC"] = meta["TMA"] and host_desc
         scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), lse.stride(0), lse.stride(1),
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
-        return programs, scalars, meta
+        # the host descriptors' layouts; they hold for k / v too when the direct plan below takes them (same memory)
+        layouts = host_kv_layouts(params, k4, v4, launch.inner_tile) if meta["HOST_DESC"] else None
+        return programs, scalars, meta, layouts
 
     def run(launch: autotune.Launch, plan=None):
-        programs, scalars, meta = plan or scalars_and_meta(launch)
-        descs = host_kv_descriptors(k4, v4, host_kv_layouts(params, k4, v4, launch.inner_tile)) if meta["HOST_DESC"] \
-            else (q4, q4)
+        programs, scalars, meta, layouts = plan or scalars_and_meta(launch)
+        descs = (q4, q4) if layouts is None else host_kv_descriptors(k4, v4, layouts)
         tensors = (q4, k4, v4, table if has_rpb else q4, out, lse, *descs)
         _launch_chunks(kernels.na_fwd_kernel, programs, hq, b, tensors, scalars, meta)
 
-    launch = autotune.pick("fwd", q, k, v, params, has_rpb, run, tma=tma_ok)
-    programs, scalars, meta = scalars_and_meta(launch)
-    run(launch, (programs, scalars, meta))
+    launch = autotune.pick("fwd", q, k, v, params, has_rpb, run, tma=tma_ok, host_descriptors=host_desc)
+    plan = scalars_and_meta(launch)
+    run(launch, plan)
     if _same_memory(((q4, q), (k4, k), (v4, v))) and len(_batch_chunks(b, hq)) == 1 and \
             len(_DIRECT) < MAX_DIRECT_PLANS:
+        programs, scalars, meta, layouts = plan
         spatial = tuple(q.shape[1:-2])
         _DIRECT[key] = _DirectForward(_Launch(kernels.na_fwd_kernel, (programs, b * hq), scalars, meta),
-                                      (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb),
-                                      host_kv_layouts(params, k, v, launch.inner_tile) if meta["HOST_DESC"] else None)
+                                      (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb), layouts)
     spatial = q.shape[1:-2]
     return out.reshape(b, *spatial, hq, dv), lse.reshape(b, *spatial, hq)
 
