@@ -359,6 +359,10 @@ def na_fwd_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
+    # Every query sees at least one key, so l_i > 0 on every row that is stored; rows of a program past the end of
+    # a short dilation group see none (l_i = 0) and would compute 0 * inf and log2(0), which are never stored but
+    # make numpy warn under the interpreter: one select per row keeps them finite.
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_i)[:, None]  # one reciprocal per row: a division per element costs ~8 instructions
     o_base = b.to(tl.int64) * sob + h * soh
     tl.store(O + o_base + q_tok[:, None] * sot + offs_dv[None, :], out.to(O.dtype.element_ty),
