@@ -109,6 +109,8 @@ CASES = {
     "dkdv-3d-d64-causal": (kernels.na_bwd_dkdv_kernel,
                            window_constexprs(3, (2, 4, 8), (2, 4, 8), 64, 64, causal=(True, False, False)), 4, 2),
     "dq-2d-d128-tma": (kernels.na_bwd_dq_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 128, 128), 4, 2, True),
+    "dq-2d-d32-rpb-tma-host": (kernels.na_bwd_dq_kernel, window_constexprs(2, (1, 2, 8), (1, 4, 8), 32, 32, True), 1,
+                               2, True),
     "dkdv-2d-d128-tma": (kernels.na_bwd_dkdv_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 128, 128), 4, 2,
                          True),
     "dkdv-3d-d128-tma": (kernels.na_bwd_dkdv_kernel, window_constexprs(3, (1, 2, 32), (2, 8, 8), 128, 128), 8, 2,
@@ -129,8 +131,9 @@ def main(names):
             rows = constexprs["T0"] * constexprs["T1"] * constexprs["T2"]
             constexprs = dict(constexprs, BISECT=12, QUERY_ROWS=rows >= 64)
         if fn is kernels.na_fwd_kernel:
-            host = name.endswith("-host")
-            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], HOST_DESC=host)
+            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"])
+        if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel):
+            constexprs = dict(constexprs, HOST_DESC=name.endswith("-host"))
         if fn is not kernels.na_bwd_drpb_kernel:
             constexprs = dict(constexprs, TMA=bool(tma and tma[0]))
         try:

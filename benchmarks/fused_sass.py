@@ -143,7 +143,7 @@ def main():
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--tma", action="store_true", help="TMA loads of the looped-over tiles")
-    ap.add_argument("--host-desc", action="store_true", help="forward: K/V descriptors built on the host")
+    ap.add_argument("--host-desc", action="store_true", help="forward / dQ: K/V descriptors built on the host")
     ap.add_argument("--rpb", action="store_true")
     args = ap.parse_args()
 
@@ -160,6 +160,8 @@ def main():
     constexprs["TMA"] = args.tma
     if args.kernel == "fwd":
         constexprs.update(FOLD_SCALE=not args.rpb, HOST_DESC=args.tma and args.host_desc)
+    elif args.kernel == "dq":
+        constexprs.update(HOST_DESC=args.tma and args.host_desc)
     elif args.kernel == "dkdv":
         groups = [-(-L // dl) for L, dl in zip(spatial, dilation)]
         constexprs.update(BISECT=max(g.bit_length() for g in groups), QUERY_ROWS=math.prod(q_tile) >= 64)

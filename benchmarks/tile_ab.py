@@ -14,6 +14,8 @@ For each kernel (fwd, dq, dkdv) the script times, on the same inputs:
 Times are the tuner's own (median of CUDA-graph replays, ``autotune._kernel_ms``), one line per
 round and a median over the rounds at the end; alternating rounds keep clock drift out of the A/B.
 ``--keep-best`` writes each kernel's fastest launch into the tuning cache for this problem.
+``--dq-host-desc`` also times every TMA variant of dQ with K/V descriptors built on the host
+(``launch.DQ_HOST_DESCRIPTORS``, as ``name+host``), from a second capture of the problem.
 """
 import argparse
 import dataclasses
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from ops.bench import standard_problems  # noqa: E402
-from ops.fused import autotune  # noqa: E402
+from ops.fused import autotune, launch as fused_launch  # noqa: E402
 
 
 def parse_variant(text: str):
@@ -70,9 +72,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kernels", default="fwd,dq,dkdv")
     ap.add_argument("--keep-best", action="store_true", help="store each kernel's fastest launch in the cache")
+    ap.add_argument("--dq-host-desc", action="store_true",
+                    help="also time dQ's TMA variants with host-built K/V descriptors (name+host)")
     args = ap.parse_args()
     problem = {p.name: p for p in standard_problems()}[args.problem]
     runs, params = capture_runs(problem)
+    host_run = None
+    if args.dq_host_desc:  # the launcher decides per problem: capture it again with the switch on
+        fused_launch.DQ_HOST_DESCRIPTORS = True
+        fused_launch._DIRECT.clear()
+        fused_launch._BACKWARD.clear()
+        host_run = capture_runs(problem)[0]["dq"][0]
+        fused_launch.DQ_HOST_DESCRIPTORS = False
     extra = [parse_variant(v) for v in args.variant]
     table = {}
     for kernel in args.kernels.split(","):
@@ -83,13 +94,18 @@ def main():
         for i, (k, launch) in enumerate(extra):
             if k == kernel:
                 variants[f"v{i}"] = launch
+        runners = {name: run for name in variants}
+        if kernel == "dq" and host_run is not None:
+            for name, launch in list(variants.items()):
+                if launch.tma:
+                    variants[f"{name}+host"], runners[f"{name}+host"] = launch, host_run
         for name, launch in variants.items():
             print(f"{kernel} {name}: {launch}", flush=True)
-        table[kernel] = (run, variants, {name: [] for name in variants}, key)
+        table[kernel] = (runners, variants, {name: [] for name in variants}, key)
     for r in range(args.rounds):
-        for kernel, (run, variants, times, _) in table.items():
+        for kernel, (runners, variants, times, _) in table.items():
             for name, launch in variants.items():
-                times[name].append(autotune._kernel_ms(lambda: run(launch)))
+                times[name].append(autotune._kernel_ms(lambda: runners[name](launch)))
             print(f"round {r} {kernel}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()), flush=True)
     print(f"{args.problem}: median ms over {args.rounds} rounds")
     for kernel, (_, variants, times, key) in table.items():

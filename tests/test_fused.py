@@ -177,6 +177,32 @@ def test_forward_kv_descriptors_built_on_the_host(p, host):
     assert (plans[0].host_desc_layouts is not None) == host
 
 
+@pytest.mark.parametrize("p, host", HOST_DESC_CASES, ids=["host", "dilated", "dim24"])
+def test_dq_kv_descriptors_built_on_the_host(p, host, monkeypatch):
+    """``DQ_HOST_DESCRIPTORS`` on: with TMA, dQ reads K/V through descriptors built on the host where the layout
+    allows it (the forward's rule) and through per-program ones otherwise; gradients match the oracle on the first
+    call and through the direct backward plan, which rebuilds the descriptors for the new tensors."""
+    monkeypatch.setattr(launch, "DQ_HOST_DESCRIPTORS", True)
+    tma = Config(16, 16, 4, 1, True)
+    with autotune.forced(fwd=tma, dq=tma, dkdv=tma):
+        for seed in (0, 1):  # the second call of the problem goes through launch._BACKWARD
+            _run(p, torch.bfloat16 if not INTERPRETED else torch.float32, grads=True, seed=seed)
+    plans = list(launch._BACKWARD.values())
+    assert len(plans) == 1 and plans[0].dq.meta["TMA"]
+    assert plans[0].dq.meta["HOST_DESC"] == host
+    assert (plans[0].dq_layouts is not None) == host
+
+
+def test_dq_host_descriptors_off_by_default():
+    """dQ's host-built descriptors wait for a GPU measurement (``launch.DQ_HOST_DESCRIPTORS``): by default dQ keeps
+    the descriptors its programs build."""
+    tma = Config(16, 16, 4, 1, True)
+    with autotune.forced(fwd=tma, dq=tma, dkdv=tma):
+        _run(HOST_DESC_CASES[0][0], torch.bfloat16 if not INTERPRETED else torch.float32, grads=True)
+    assert not launch.DQ_HOST_DESCRIPTORS
+    assert all(not plan.dq.meta["HOST_DESC"] and plan.dq_layouts is None for plan in launch._BACKWARD.values())
+
+
 def test_direct_launch_checks_alignment_of_tensors_only():
     """The direct launch compares pointer alignment with the compiled kernel's; host-built descriptors among the
     arguments are skipped there (the first GPU run of the direct path with them raised AttributeError)."""
@@ -202,7 +228,7 @@ def test_int64_index_path(monkeypatch):
     monkeypatch.setattr(launch, "needs_int64", lambda *tensors: True)
     _run(_fixed((6, 9), (3, 5), d=(2, 1), rpb=True), torch.float32, grads=True)
     assert launch._DIRECT and all(plan.launch.meta["IDX64"] for plan in launch._DIRECT.values())
-    assert launch._PLANS and all(meta["IDX64"] for _, _, meta in launch._PLANS.values())
+    assert launch._PLANS and all(plan[2]["IDX64"] for plan in launch._PLANS.values())  # (programs, scalars, meta, ..)
 
 
 @pytest.mark.parametrize("atomic", [False, True], ids=["partial-rows", "atomic"])

@@ -402,7 +402,7 @@ def na_bwd_delta_kernel(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def na_bwd_dq_kernel(
-    Q, Kp, V, RPB, DO, LSE, DELTA, DQ,
+    Q, Kp, V, RPB, DO, LSE, DELTA, DQ, K_DESC, V_DESC,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt, sgb, sgt, sgh,
     HQ, GROUP, HEAD_DIM, VALUE_DIM, qk_scale, scale,
     L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2,
@@ -411,9 +411,10 @@ def na_bwd_dq_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, HOST_DESC: tl.constexpr,
 ):
     # lse and delta share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
+    # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (as in the forward), else unused.
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2, ACT0, ACT1)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -448,9 +449,9 @@ def na_bwd_dq_kernel(
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     c0, c1, c2 = _tile_coords(U0, U1, U2)
-    k_src, v_src, lead, k_col, v_col = _kv_sources(Kp + k_base, V + v_base, Kp, V, b, hk, g0, g1, g2, D0, D1, D2, L1,
-                                                   L2, Lg0, Lg1, Lg2, skt, svt, skh, svh, HEAD_DIM, VALUE_DIM, U0, U1,
-                                                   U2, BLOCK_D, BLOCK_DV, TMA, False)
+    k_src, v_src, lead, k_col, v_col = _kv_sources(Kp + k_base, V + v_base, K_DESC, V_DESC, b, hk, g0, g1, g2, D0, D1,
+                                                   D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh, svh, HEAD_DIM, VALUE_DIM,
+                                                   U0, U1, U2, BLOCK_D, BLOCK_DV, TMA, HOST_DESC)
     dq = tl.zeros([T0 * T1 * T2, BLOCK_D], tl.float32)
 
     n0 = tl.cdiv(hi0 - lo0, U0)

@@ -77,6 +77,12 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
     ) | ({"maxnreg": launch.maxnreg} if launch.maxnreg else {})
 
 
+# dQ reads its K/V tiles through descriptors built on the host, as the forward does, where the layout allows it
+# (``host_descriptors_ok``) and the launch uses TMA.  Off until timed on a GPU: written in session 9, which had no
+# device; the forward gained from the same change on short loops (nat-s1 0.218 -> 0.134 ms, session 7), and the
+# tests run it under the interpreter.  ``benchmarks/results/session9`` holds the device script that times it.
+DQ_HOST_DESCRIPTORS = False
+
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
 # are then B operands and the kernel spills less (sm_90 report on the 3-D tile: 656 -> 168 B; dK/dV on an H100,
 # session 6: 1d-32k 3.09 -> 2.27 ms, 2d-flux 33.5 -> 30.9 ms), but smaller query tiles fall under wgmma's 64-row
@@ -368,6 +374,7 @@ class _DirectBackward:
     drpb_buffer: tuple  # shape of the dRPB accumulator (per-program partial rows unless atomic)
     shapes: tuple  # (B, N, Hq, Hkv, D, Dv)
     rpb_direct: bool
+    dq_layouts: tuple | None = None  # of dQ's host-built K/V descriptors (rebuilt per call), if any
 
 
 _BACKWARD: dict[tuple, _DirectBackward] = {}
@@ -397,7 +404,8 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
     table = (rpb if plan.rpb_direct else _rpb_table(rpb, hq)) if rpb is not None else q
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
-    plan.dq((q, k, v, table, d_out, lse, delta, dq))
+    dq_descs = (q, q) if plan.dq_layouts is None else host_kv_descriptors(k, v, plan.dq_layouts)
+    plan.dq((q, k, v, table, d_out, lse, delta, dq, *dq_descs))
     plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv))
     drpb = None
     if plan.drpb is not None:
@@ -429,16 +437,21 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
     # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
+    dq_host = DQ_HOST_DESCRIPTORS and dq_tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
 
     def dq_plan(launch):
         window, programs = _window_args(params, launch.outer_tile)
         meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb, idx64)
         meta["TMA"] = launch.tma and dq_tma_ok
-        return programs, (*common, *_strides(dq), hq, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window), meta
+        meta["HOST_DESC"] = meta["TMA"] and dq_host
+        scalars = (*common, *_strides(dq), hq, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
+        layouts = host_kv_layouts(params, k4, v4, launch.inner_tile) if meta["HOST_DESC"] else None
+        return programs, scalars, meta, layouts
 
     def run_dq(launch, plan=None):
-        programs, scalars, meta = plan or dq_plan(launch)
-        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dq)
+        programs, scalars, meta, layouts = plan or dq_plan(launch)
+        descs = (q4, q4) if layouts is None else host_kv_descriptors(k4, v4, layouts)
+        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dq, *descs)
         _launch_chunks(kernels.na_bwd_dq_kernel, programs, hq, b, tensors, scalars, meta)
 
     def dkdv_plan(launch):
@@ -458,8 +471,8 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         _launch_chunks(kernels.na_bwd_dkdv_kernel, programs, hkv, b, tensors, scalars, meta)
 
     shapes = (params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), do4.stride(), q.dtype,
-              has_rpb, scale, dq_tma_ok, dkdv_tma_ok)
-    launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok)
+              has_rpb, scale, dq_tma_ok, dkdv_tma_ok, dq_host)
+    launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
     dq_args = _plan(("dq", launch, *shapes), lambda: dq_plan(launch))
     run_dq(launch, dq_args)
     launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok)
@@ -476,7 +489,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     if d_lse is not None:
         pairs += ((dlse, d_lse),)
     if _same_memory(pairs) and len(_batch_chunks(b, hq)) == 1 and len(_BACKWARD) < MAX_DIRECT_PLANS:
-        (dq_programs, dq_scalars, dq_meta), (dkdv_programs, dkdv_scalars, dkdv_meta) = dq_args, dkdv_args
+        (dq_programs, dq_scalars, dq_meta, dq_layouts), (dkdv_programs, dkdv_scalars, dkdv_meta) = dq_args, dkdv_args
         _BACKWARD[key] = _DirectBackward(
             delta=delta_launch,
             dq=_Launch(kernels.na_bwd_dq_kernel, (dq_programs, b * hq), dq_scalars, dq_meta),
@@ -486,6 +499,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
             drpb_buffer=None if drpb_partial is None else tuple(drpb_partial.shape),
             shapes=(b, n, hq, hkv, d, dv),
             rpb_direct=_rpb_direct(rpb),
+            dq_layouts=dq_layouts,
         )
     spatial = q.shape[1:-2]
     return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
