@@ -5,8 +5,10 @@
     python -m ops.bench --problems nat-s1,2d-flux --backends fused,flex
     python -m ops.bench --custom "mine:2,8,64,64x64,13x13,1,1,0"   # name:B,H,D,spatial,K,stride,dilation,causal
     python -m ops.bench --out benchmarks/op_bench    # writes op_bench.csv and op_bench.json
+    python -m ops.bench --rounds 5 --rep 300         # SDPA and the backends timed in 5 alternating rounds
 
-Per problem and backend: median ms (CUDA events through ``triton.testing.do_bench``), effective
+Per problem and backend: median ms (CUDA events through ``triton.testing.do_bench``; with ``--rounds N`` the median
+of N rounds that time SDPA and every backend in turn, so clock drift between them does not bias E), effective
 TFLOP/s (forward 4*B*H*N*W*D with W = keys a query actually visits; forward+backward counted as
 3.5x the forward), speedup over SDPA (``scaled_dot_product_attention`` on ``[B, H, N, D]``, dense,
 same tokens, timed in the same run), efficiency ``E = speedup / (SDPA FLOPs / NA FLOPs)``
@@ -23,6 +25,7 @@ import argparse
 import csv
 import datetime
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -122,6 +125,25 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
+def time_alternating(fns: dict, rounds: int, bench) -> tuple[dict, dict]:
+    """``({name: [ms per round]}, {name: error})``: every function timed once per round, in the same order each
+    round; one that raises is reported and left out of the later rounds.
+
+    SDPA's own time moved 3-7% between device calls (RESULTS.md, sessions 7-8), so a baseline timed once, before
+    the backends, carries the clock's drift into every speedup and E; alternating rounds spread it over all of them
+    and the medians over the rounds drop the outliers."""
+    times, errors = {name: [] for name in fns}, {}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if name in errors:
+                continue
+            try:
+                times[name].append(bench(fn))
+            except Exception as err:  # noqa: BLE001  (e.g. out of memory: report it, time the others)
+                errors[name] = err
+    return times, errors
+
+
 def _bench(fn, warmup_ms, rep_ms):
     import triton.testing
 
@@ -172,8 +194,31 @@ def _reference_sample(q, k, v, rpb, params, scale, samples, gen):
     return idx, out
 
 
+def _backend_call(p: BenchProblem, name: str, q, k, v, rpb, d_out=None):
+    """``(call, fn)`` for one backend on its own leaves of the inputs: ``call()`` returns the attention output, ``fn()``
+    is what gets timed (``call`` and, given ``d_out``, its backward).  Built per backend in a function of its own,
+    since the timing rounds run after every backend's first call."""
+    if d_out is not None:
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+        rpb = rpb.detach().requires_grad_(True) if rpb is not None else None
+
+    def call():
+        return p.attention(q, k, v, rpb, name)
+
+    if d_out is None:
+        return call, call
+
+    def fn():
+        call().backward(d_out)
+
+    return call, fn
+
+
+DEVICE = "cuda"  # the benchmark's device (tests run ``run_problem`` on the CPU with a stand-in timer)
+
+
 def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log) -> list[Row]:
-    device = torch.device("cuda")
+    device = torch.device(DEVICE)
     params = p.params
     n = params.num_tokens
     gen = torch.Generator(device=device).manual_seed(0)
@@ -206,12 +251,10 @@ def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log)
     else:
         def sdpa_fn():
             sdpa(sq, sk, sv)
-    t0 = time.time()
-    sdpa_ms = _bench(sdpa_fn, args.warmup, args.rep)
-    rows.append(Row(p.name, "sdpa", mode, sdpa_ms, sdpa_flops / sdpa_ms / 1e9, 1.0, None, None, None, None,
-                    note="dense, same tokens"))
-    log(f"  sdpa       {sdpa_ms:9.3f} ms  ({time.time() - t0:.1f}s)")
-    del sq, sk, sv, sdo
+    sdpa_fn()  # warm-up and library selection outside the timing
+    sdpa_row = Row(p.name, "sdpa", mode, None, None, 1.0, None, None, None, None, note="dense, same tokens")
+    rows.append(sdpa_row)
+    timed = {"sdpa": sdpa_fn}  # what runs (and how) first; timed afterwards in alternating rounds
 
     for name in backends:
         row = Row(p.name, name, mode)
@@ -222,41 +265,22 @@ def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log)
                 row.note = reason
                 log(f"  {name:10s} {reason}")
                 continue
-        qq, kk, vv = q, k, v
-        rr = rpb
-        if backward:
-            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-            rr = rpb.detach().requires_grad_(True) if rpb is not None else None
-
-        def call():
-            return p.attention(qq, kk, vv, rr, name)
-
-        if backward:
-            def fn():
-                call().backward(d_out)
-        else:
-            fn = call
+        call, fn = _backend_call(p, name, q, k, v, rpb, d_out if backward else None)
         t0 = time.time()
         seen = _fused_choices() if name == "fused" else {}
         try:
             fn()  # first call: compile / autotune outside the timing
-            torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             first = time.time() - t0
             if name == "fused":  # the tiles each kernel ran with (tuned or default), for the record
                 row.extra["launches"] = {key[0]: launch for key, launch in _fused_choices().items() if key not in seen}
-            ms = _bench(fn, args.warmup, args.rep)
         except Exception as err:  # a backend that cannot run this problem: report, keep going
             row.note = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             log(f"  {name:10s} {row.note}")
             torch.cuda.empty_cache()
             continue
-        row.ms = ms
-        row.tflops = na_flops / ms / 1e9
-        row.speedup_vs_sdpa = sdpa_ms / ms
-        row.efficiency = row.speedup_vs_sdpa * na_flops / sdpa_flops
-        row.gbps = min_bytes / ms / 1e6
-        row.bw_fraction = row.gbps / ceilings["copy_GBps"]
-        row.memory_bound = memory_bound
+        timed[name] = fn
         row.extra["first_call_s"] = round(first, 2)
         if name == "fused" and args.check and not backward:
             with torch.no_grad():
@@ -265,10 +289,37 @@ def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log)
                 idx, ref = _reference_sample(q, k, v, rpb, params, scale, args.check, torch.Generator().manual_seed(1))
                 got = out.reshape(p.batch, n, p.heads, p.dim)[:, idx].double()
                 row.check_rel_err = ((got - ref).abs().max() / ref.abs().max()).item()
-        log(f"  {name:10s} {ms:9.3f} ms  {row.tflops:7.1f} TFLOP/s  x{row.speedup_vs_sdpa:6.2f} vs SDPA  "
+
+    t0 = time.time()
+    times, errors = time_alternating(timed, args.rounds, lambda fn: _bench(fn, args.warmup, args.rep))
+    if "sdpa" in errors:
+        raise errors["sdpa"]
+    sdpa_ms = statistics.median(times["sdpa"])
+    sdpa_row.ms, sdpa_row.tflops = sdpa_ms, sdpa_flops / sdpa_ms / 1e9
+    log(f"  sdpa       {sdpa_ms:9.3f} ms  ({args.rounds} round(s) of every backend: {time.time() - t0:.1f}s)")
+    for row in rows:
+        if row.backend not in timed or row.backend == "sdpa":
+            continue
+        if row.backend in errors:
+            err = errors[row.backend]
+            row.note = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            log(f"  {row.backend:10s} {row.note}")
+            continue
+        ms = row.ms = statistics.median(times[row.backend])
+        row.tflops = na_flops / ms / 1e9
+        row.speedup_vs_sdpa = sdpa_ms / ms
+        row.efficiency = row.speedup_vs_sdpa * na_flops / sdpa_flops
+        row.gbps = min_bytes / ms / 1e6
+        row.bw_fraction = row.gbps / ceilings["copy_GBps"]
+        row.memory_bound = memory_bound
+        log(f"  {row.backend:10s} {ms:9.3f} ms  {row.tflops:7.1f} TFLOP/s  x{row.speedup_vs_sdpa:6.2f} vs SDPA  "
             f"E={row.efficiency:5.2f}  {row.gbps:7.0f} GB/s ({100 * row.bw_fraction:4.1f}% copy)"
             + (f"  check {row.check_rel_err:.1e}" if row.check_rel_err is not None else "")
-            + f"  (first call {first:.1f}s)")
+            + f"  (first call {row.extra['first_call_s']:.1f}s)")
+    if args.rounds > 1:
+        for row in rows:
+            if times.get(row.backend):
+                row.extra["round_ms"] = [round(ms, 4) for ms in times[row.backend]]
     return rows
 
 
@@ -297,8 +348,12 @@ def main(argv=None):
     ap.add_argument("--check", type=int, default=0, help="check fused on this many sampled queries (fwd only)")
     ap.add_argument("--warmup", type=float, default=25, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=float, default=100, help="do_bench repetition budget (ms)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time SDPA and every backend this many times in alternating rounds; medians reported")
     ap.add_argument("--out", default=None, help="path prefix for .csv / .json results")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

@@ -439,7 +439,7 @@ def test_ops_task_maps_to_the_op_benchmark_flags(capsys):
     from namodels.tasks.op_bench import argv_from_config
 
     cfg = _compose_ops(["task.problems=[2d-flux,nat-s1]", "task.backward=true", "task.autotune=true",
-                        "task.check=8", "task.rep=20", "task.backends=[fused,flex]",
+                        "task.check=8", "task.rep=20", "task.rounds=3", "task.backends=[fused,flex]",
                         "task.custom=['mine:2,8,64,64x64,13x13,1,1,0']"])
     assert cfg.task.stage == "eval" and cfg.task.run._target_ == "namodels.tasks.op_bench.run"
     argv = argv_from_config(cfg.task)
@@ -448,6 +448,7 @@ def test_ops_task_maps_to_the_op_benchmark_flags(capsys):
     assert argv[argv.index("--custom") + 1] == "mine:2,8,64,64x64,13x13,1,1,0"
     assert argv[argv.index("--out") + 1] == "/tmp/opsbench/ops"
     assert argv[argv.index("--check") + 1] == "8" and argv[argv.index("--rep") + 1] == "20"
+    assert argv[argv.index("--rounds") + 1] == "3"
     default = argv_from_config(_compose_ops([]).task)
     assert default[:4] == ["--problems", "all", "--backends", "fused,flex,naive"] and "--backward" not in default
     if not torch.cuda.is_available():  # ops.bench parses its flags first, then stops for want of a GPU

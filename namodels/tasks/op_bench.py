@@ -17,7 +17,7 @@ def argv_from_config(task) -> list[str]:
         problems = ",".join(str(p) for p in problems)
     argv = ["--problems", str(problems), "--backends", ",".join(str(b) for b in plain["backends"]),
             "--dtype", str(plain["dtype"]), "--check", str(int(plain["check"])),
-            "--warmup", str(plain["warmup"]), "--rep", str(plain["rep"])]
+            "--warmup", str(plain["warmup"]), "--rep", str(plain["rep"]), "--rounds", str(int(plain.get("rounds", 1)))]
     for spec in plain.get("custom") or []:
         argv += ["--custom", str(spec)]
     if plain.get("backward"):

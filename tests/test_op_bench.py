@@ -1,0 +1,87 @@
+"""``ops.bench``'s timing rounds and per-backend calls (the GPU parts run on the device; these need none)."""
+import pytest
+import torch
+
+from ops import bench
+
+
+def test_time_alternating_interleaves_rounds_and_reports_failures():
+    """Each round times every function once in the same order (so clock drift spreads over all of them); one that
+    raises is reported once and left out of the later rounds."""
+    order = []
+
+    def timed(name, ms):
+        def fn():
+            order.append(name)
+            if name == "broken" and order.count("broken") == 2:
+                raise RuntimeError("out of memory")
+            return ms
+        return fn
+
+    fns = {"sdpa": timed("sdpa", 4.0), "fused": timed("fused", 0.5), "broken": timed("broken", 1.0)}
+    times, errors = bench.time_alternating(fns, 3, lambda fn: fn())
+    assert order == ["sdpa", "fused", "broken", "sdpa", "fused", "broken", "sdpa", "fused"]
+    assert times == {"sdpa": [4.0] * 3, "fused": [0.5] * 3, "broken": [1.0]}
+    assert list(errors) == ["broken"] and "out of memory" in str(errors["broken"])
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_backend_calls_keep_their_own_backend_and_inputs(monkeypatch, backward):
+    """The timing rounds run after every backend's first call, so each timed function must hold its own backend
+    name and input leaves (closures over loop variables would all time the last backend)."""
+    calls = []
+
+    def attention(self, q, k, v, rpb, name):
+        calls.append((name, q))
+        return (q * k).sum() + v.sum()
+
+    monkeypatch.setattr(bench.BenchProblem, "attention", attention)
+    p = bench.BenchProblem("tiny", 1, 1, 4, (4,), (3,))
+    q, k, v = (torch.randn(1, 4, 1, 4) for _ in range(3))
+    d_out = torch.ones(()) if backward else None
+    made = {name: bench._backend_call(p, name, q, k, v, None, d_out) for name in ("fused", "flex")}
+    for name in ("fused", "flex"):
+        made[name][1]()
+    assert [name for name, _ in calls] == ["fused", "flex"]
+    if backward:  # its own leaves, with gradients, not the shared inputs
+        assert all(t is not q and t.grad is not None for _, t in calls)
+        assert calls[0][1] is not calls[1][1]
+    else:
+        assert all(t is q for _, t in calls)
+
+
+def test_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_run_problem_on_the_cpu_with_alternating_rounds(monkeypatch, backward):
+    """The whole per-problem path on the CPU (stand-in timer): SDPA and each backend in alternating rounds, medians
+    in the rows, speedups and E against SDPA's median, per-round times kept, a backend that fails reported."""
+    import argparse
+
+    clock = iter(range(1, 1000))
+    timed = []
+
+    def fake_bench(fn, warmup, rep):
+        fn()
+        timed.append(fn)
+        return float(next(clock))
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_bench", fake_bench)
+    p = bench.BenchProblem("tiny", 1, 2, 8, (6, 6), (3, 3))
+    args = argparse.Namespace(rounds=3, warmup=1, rep=1, check=0)
+    ceilings = {"matmul_bf16_TFLOPs": 1.0, "copy_GBps": 1.0}
+    rows = bench.run_problem(p, ["naive", "gemm", "nonexistent"], backward, torch.float32, ceilings, args,
+                             lambda msg: None)
+    by = {row.backend: row for row in rows}
+    # rounds of (sdpa, naive, gemm): clock values 1..9, so the medians are the middle round's
+    assert by["sdpa"].ms == 4.0 and by["naive"].ms == 5.0 and by["gemm"].ms == 6.0
+    assert by["gemm"].extra["round_ms"] == [3.0, 6.0, 9.0] and len(timed) == 9
+    assert by["gemm"].speedup_vs_sdpa == pytest.approx(4.0 / 6.0)
+    w, n = 9, 36
+    assert by["gemm"].efficiency == pytest.approx(4.0 / 6.0 * w / n)
+    assert by["nonexistent"].ms is None and by["nonexistent"].note.startswith("failed")
