@@ -87,7 +87,10 @@ CANDIDATES: dict[str, list[Config]] = {
             # (632 pairs per query against 728), 32-query tiles on two warps reach 518
             Config(64, 16, 4, 3), Config(32, 32, 2, 2), Config(32, 64, 2, 2),
             # nat-s1: one-warp programs at 149 registers fit 12 per SM; capped at 128, 0.159 -> 0.152 ms (session 7)
-            Config(16, 64, 1, 2, maxnreg=128)],
+            Config(16, 64, 1, 2, maxnreg=128),
+            # head dim 128, windows aligned to the tile (stride variants): 32-key tiles at 3 stages take 64 KiB of
+            # shared memory and 124 registers, 3 programs per SM against 2 for 64-key ones (ptxas, session 9)
+            Config(64, 32, 4, 3)],
     "dq": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
            Config(32, 32, 4, 2), Config(128, 32, 8, 2), Config(128, 64, 8, 3), Config(64, 64, 4, 3),
            Config(64, 128, 8, 2), Config(16, 64, 1, 2), Config(16, 32, 1, 2)],

@@ -1,7 +1,7 @@
 # Prepared in session 9 (no device lent that session); for the next session's first device call.
 # 1. GPU tests of session 9's changes (compiled): host-descriptor defaults, dQ host descriptors (forced on),
 #    forward rows without keys; 2. A/B of dQ with host-built K/V descriptors against per-program ones and pointer
-#    loads (tile_ab --dq-host-desc); 3. ncu of the nat-s1 / 3d-causal forwards (is nat-s1 L2- or latency-bound?).
+#    loads (tile_ab --dq-host-desc).
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 timeout 200 python3 -m pytest -q -n 4 -m "gpu or not gpu" tests/test_fused.py -p no:cacheprovider \
@@ -13,17 +13,8 @@ for p in nat-s1-rpb nat-s1; do
     --variant "dq:1x2x8/1x2x16/1/2/tma" --variant "dq:1x2x8/1x4x8/1/2/tma" >> $OUT/c1_dq_ab.txt 2>&1
   echo "$p rc=$? $(( $(date +%s)-T0 ))s"
 done
-for p in 3d-causal 2d-flux; do
+for p in 2d-flux; do
   timeout 120 python3 benchmarks/tile_ab.py $p --kernels dq --rounds 3 --dq-host-desc >> $OUT/c1_dq_ab.txt 2>&1
   echo "$p rc=$? $(( $(date +%s)-T0 ))s"
 done
 grep "^|" $OUT/c1_dq_ab.txt
-NCU=/usr/local/cuda/bin/ncu
-for p in nat-s1 3d-causal; do
-  timeout 100 $NCU -k regex:na_fwd_kernel -c 1 --set full --import-source no -o /tmp/$p python3 .ab/tools/ncu_fwd.py $p \
-    > $OUT/c1_ncu_${p}.txt 2>&1
-  $NCU --import /tmp/$p.ncu-rep --page details >> $OUT/c1_ncu_${p}.txt 2>&1
-  $NCU --import /tmp/$p.ncu-rep --page source --print-source sass --csv > $OUT/c1_ncu_${p}_sass.csv 2>&1
-  echo "ncu $p $(( $(date +%s)-T0 ))s"
-done
-grep -E "Duration|L2 Cache Throughput|Compute \(SM\) Throughput|Warp Cycles Per Issued|Achieved Occupancy|Issued Ipc" $OUT/c1_ncu_*.txt
