@@ -16,7 +16,7 @@ done
 grep -E "Duration|L2 Cache Throughput|Compute \(SM\) Throughput|Warp Cycles Per Issued|Achieved Occupancy|Issued Ipc" $OUT/c3_ncu_*.txt
 # nat-s1 with fewer K/V bytes per query (L2 hypothesis): 32-query tiles on one or two warps (731 / 622 B per query
 # against 1024 for the current 16-query tile; 183 / 155 pairs per query against 128)
-timeout 90 python3 benchmarks/tile_ab.py nat-s1 --kernels fwd --rounds 3 --variant "fwd:1x4x8/1x4x16/1/2/tma/r128" \
+timeout 90 python3 benchmarks/tile_ab.py nat-s1 --kernels fwd --rounds 3 --variant "fwd:1x4x8/1x4x16/1/2/tma" \
   --variant "fwd:1x4x8/1x2x16/1/2/tma/r128" --variant "fwd:1x4x8/1x4x16/2/2/tma" --variant "fwd:1x4x8/1x2x16/2/2/tma" \
   > $OUT/c3_nat_ab.txt 2>&1
 echo "nat $(( $(date +%s)-T0 ))s"; grep "^|" $OUT/c3_nat_ab.txt
