@@ -10,8 +10,10 @@ multiples of 16 carry the divisibility hint, so the counts match the code that r
 prints its instruction count, whether it sits inside a loop (between a backward branch and its target) and its most
 frequent opcodes; the sum over a loop's blocks is the static cost of one step.  Static counts are an upper bound on a
 step's dynamic count where a block is branched around (masks of unmasked tiles).  Session 8 found two integer
-divisions per loop step this way (RESULTS.md).  Like ``fused_compile_check.py`` it loads the kernels without
-importing ``ops`` (no torch), so an environment with the device's Triton version can run it.
+divisions per loop step this way (RESULTS.md).  A last line gives ptxas' registers and spills, the shared memory, and
+the programs an H100 SM holds by each limit (session 9 found 3d-causal 96 bytes of shared memory short of a fourth).
+Like ``fused_compile_check.py`` it loads the kernels without importing ``ops`` (no torch), so an environment with
+the device's Triton version can run it.
 """
 import argparse
 import collections
@@ -88,7 +90,31 @@ def build(fn, constexprs, ints, warps, stages, maxnreg, cc):
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
         fh.write(compiled.asm["cubin"])
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    return subprocess.run([nvdisasm, "-c", fh.name], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([nvdisasm, "-c", fh.name], capture_output=True, text=True, check=True).stdout, compiled
+
+
+# An H100 SM (sm_90): 64K registers allocated per warp in units of 256, 228 KiB of shared memory of which each
+# resident program also takes 1 KiB for the driver, at most 64 warps and 32 programs.
+SM_REGISTERS, REGISTER_UNIT, SM_SHARED, SHARED_PER_PROGRAM, SM_WARPS, SM_PROGRAMS = 65536, 256, 233472, 1024, 64, 32
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
+    """Programs one SM holds by each limit (and overall) for a kernel's registers per thread and shared memory."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    limits = {"registers": SM_REGISTERS // (per_warp * warps), "shared memory": SM_SHARED // (shared + SHARED_PER_PROGRAM),
+              "warps": SM_WARPS // warps}
+    return {**limits, "programs": min(SM_PROGRAMS, *limits.values())}
+
+
+def resources(compiled, cc) -> tuple[int, int, int]:
+    """(registers per thread, spilled bytes, shared memory bytes) of a compiled kernel, from ptxas' report."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+        fh.write(compiled.asm["ptx"])
+    report = subprocess.run([cc.PTXAS, "-v", "--gpu-name=sm_90a", fh.name, "-o", os.devnull], capture_output=True,
+                            text=True).stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return int(registers.group(1)), int(spills.group(1)) if spills else 0, compiled.metadata.shared
 
 
 def blocks(sass: str):
@@ -166,7 +192,12 @@ def main():
         groups = [-(-L // dl) for L, dl in zip(spatial, dilation)]
         constexprs.update(BISECT=max(g.bit_length() for g in groups), QUERY_ROWS=math.prod(q_tile) >= 64)
     ints = int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer)
-    report(build(fn, constexprs, ints, args.warps, args.stages, args.maxnreg, cc))
+    sass, compiled = build(fn, constexprs, ints, args.warps, args.stages, args.maxnreg, cc)
+    report(sass)
+    registers, spills, shared = resources(compiled, cc)
+    fit = programs_per_sm(registers, shared, args.warps)
+    print(f"registers {registers} (spills {spills} B), shared memory {shared} B: {fit['programs']} programs per SM "
+          f"(by registers {fit['registers']}, shared memory {fit['shared memory']}, warps {fit['warps']}; H100)")
 
 
 if __name__ == "__main__":
