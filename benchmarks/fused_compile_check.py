@@ -41,7 +41,7 @@ kernels = _load_kernels()
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-POINTERS = {"Q", "Kp", "V", "RPB", "O", "LSE", "DO", "DELTA", "DQ", "DK", "DV", "DRPB", "K_DESC", "V_DESC"}
+POINTERS = {"Q", "Kp", "V", "RPB", "O", "LSE", "DO", "DELTA", "DQ", "DK", "DV", "DRPB", "K_DESC", "V_DESC", "Q_DESC", "DO_DESC"}
 FLOATS = {"qk_scale", "scale"}
 
 
@@ -54,6 +54,10 @@ def signature(fn, constexprs, dtype):
             c = constexprs
             width = c["BLOCK_D"] if name == "K_DESC" else c["BLOCK_DV"]
             sig[name] = f"tensordesc<{dtype}[1,{c['U0']},{c['U1']},{c['U2']},{width}]>"
+        elif name in ("Q_DESC", "DO_DESC") and constexprs.get("HOST_DESC"):
+            c = constexprs
+            width = c["BLOCK_D"] if name == "Q_DESC" else c["BLOCK_DV"]
+            sig[name] = f"tensordesc<{dtype}[1,{c['T0']},{c['T1']},{c['T2']},{width}]>"
         elif name in POINTERS:
             fp32 = name in ("RPB", "LSE", "DELTA", "DRPB")
             sig[name] = "*fp32" if fp32 else f"*{dtype}"
@@ -115,6 +119,10 @@ CASES = {
                          True),
     "dkdv-3d-d128-tma": (kernels.na_bwd_dkdv_kernel, window_constexprs(3, (1, 2, 32), (2, 8, 8), 128, 128), 8, 2,
                          True),
+    "dkdv-2d-d32-rpb-tma-host": (kernels.na_bwd_dkdv_kernel, window_constexprs(2, (1, 2, 8), (1, 4, 8), 32, 32, True),
+                                 1, 2, True),
+    "dkdv-2d-d128-tma-host": (kernels.na_bwd_dkdv_kernel, window_constexprs(2, (1, 8, 8), (1, 8, 8), 128, 128), 4, 2,
+                              True),
     "dkdv-3d-d128-tma-w4": (kernels.na_bwd_dkdv_kernel, window_constexprs(3, (1, 2, 32), (2, 4, 8), 128, 128), 4, 2,
                             True),
     "drpb-2d-d32": (kernels.na_bwd_drpb_kernel,
@@ -132,7 +140,7 @@ def main(names):
             constexprs = dict(constexprs, BISECT=12, QUERY_ROWS=rows >= 64)
         if fn is kernels.na_fwd_kernel:
             constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"])
-        if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel):
+        if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):
             constexprs = dict(constexprs, HOST_DESC=name.endswith("-host"))
         if fn is not kernels.na_bwd_drpb_kernel:
             constexprs = dict(constexprs, TMA=bool(tma and tma[0]))

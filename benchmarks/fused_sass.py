@@ -169,7 +169,7 @@ def main():
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--tma", action="store_true", help="TMA loads of the looped-over tiles")
-    ap.add_argument("--host-desc", action="store_true", help="forward / dQ: K/V descriptors built on the host")
+    ap.add_argument("--host-desc", action="store_true", help="descriptors built on the host (K/V; Q/dO in dK/dV)")
     ap.add_argument("--rpb", action="store_true")
     args = ap.parse_args()
 
@@ -190,7 +190,8 @@ def main():
         constexprs.update(HOST_DESC=args.tma and args.host_desc)
     elif args.kernel == "dkdv":
         groups = [-(-L // dl) for L, dl in zip(spatial, dilation)]
-        constexprs.update(BISECT=max(g.bit_length() for g in groups), QUERY_ROWS=math.prod(q_tile) >= 64)
+        constexprs.update(BISECT=max(g.bit_length() for g in groups), QUERY_ROWS=math.prod(q_tile) >= 64,
+                          HOST_DESC=args.tma and args.host_desc)
     ints = int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer)
     sass, compiled = build(fn, constexprs, ints, args.warps, args.stages, args.maxnreg, cc)
     report(sass)

@@ -14,8 +14,8 @@ For each kernel (fwd, dq, dkdv) the script times, on the same inputs:
 Times are the tuner's own (median of CUDA-graph replays, ``autotune._kernel_ms``), one line per
 round and a median over the rounds at the end; alternating rounds keep clock drift out of the A/B.
 ``--keep-best`` writes each kernel's fastest launch into the tuning cache for this problem.
-``--dq-host-desc`` also times every TMA variant of dQ with K/V descriptors built on the host
-(``launch.DQ_HOST_DESCRIPTORS``, as ``name+host``), from a second capture of the problem.
+``--bwd-host-desc`` also times every TMA variant of dQ and dK/dV with descriptors built on the host
+(``launch.BACKWARD_HOST_DESCRIPTORS``, as ``name+host``), from a second capture of the problem.
 """
 import argparse
 import dataclasses
@@ -72,18 +72,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kernels", default="fwd,dq,dkdv")
     ap.add_argument("--keep-best", action="store_true", help="store each kernel's fastest launch in the cache")
-    ap.add_argument("--dq-host-desc", action="store_true",
-                    help="also time dQ's TMA variants with host-built K/V descriptors (name+host)")
+    ap.add_argument("--bwd-host-desc", action="store_true",
+                    help="also time the TMA variants of dQ and dK/dV with host-built descriptors (name+host)")
     args = ap.parse_args()
     problem = {p.name: p for p in standard_problems()}[args.problem]
     runs, params = capture_runs(problem)
-    host_run = None
-    if args.dq_host_desc:  # the launcher decides per problem: capture it again with the switch on
-        fused_launch.DQ_HOST_DESCRIPTORS = True
+    host_runs = {}
+    if args.bwd_host_desc:  # the launcher decides per problem: capture it again with the switch on
+        fused_launch.BACKWARD_HOST_DESCRIPTORS = True
         fused_launch._DIRECT.clear()
         fused_launch._BACKWARD.clear()
-        host_run = capture_runs(problem)[0]["dq"][0]
-        fused_launch.DQ_HOST_DESCRIPTORS = False
+        host_runs = {kernel: runs_[0] for kernel, runs_ in capture_runs(problem)[0].items() if kernel in ("dq", "dkdv")}
+        fused_launch.BACKWARD_HOST_DESCRIPTORS = False
     extra = [parse_variant(v) for v in args.variant]
     table = {}
     for kernel in args.kernels.split(","):
@@ -95,10 +95,10 @@ def main():
             if k == kernel:
                 variants[f"v{i}"] = launch
         runners = {name: run for name in variants}
-        if kernel == "dq" and host_run is not None:
+        if kernel in host_runs:
             for name, launch in list(variants.items()):
                 if launch.tma:
-                    variants[f"{name}+host"], runners[f"{name}+host"] = launch, host_run
+                    variants[f"{name}+host"], runners[f"{name}+host"] = launch, host_runs[kernel]
         for name, launch in variants.items():
             print(f"{kernel} {name}: {launch}", flush=True)
         table[kernel] = (runners, variants, {name: [] for name in variants}, key)

@@ -177,30 +177,35 @@ def test_forward_kv_descriptors_built_on_the_host(p, host):
     assert (plans[0].host_desc_layouts is not None) == host
 
 
+@pytest.mark.parametrize("query_rows", [False, True], ids=["dkdv-key-rows", "dkdv-query-rows"])
 @pytest.mark.parametrize("p, host", HOST_DESC_CASES, ids=["host", "dilated", "dim24"])
-def test_dq_kv_descriptors_built_on_the_host(p, host, monkeypatch):
-    """``DQ_HOST_DESCRIPTORS`` on: with TMA, dQ reads K/V through descriptors built on the host where the layout
-    allows it (the forward's rule) and through per-program ones otherwise; gradients match the oracle on the first
-    call and through the direct backward plan, which rebuilds the descriptors for the new tensors."""
-    monkeypatch.setattr(launch, "DQ_HOST_DESCRIPTORS", True)
+def test_backward_descriptors_built_on_the_host(p, host, query_rows, monkeypatch):
+    """``BACKWARD_HOST_DESCRIPTORS`` on: with TMA, dQ reads K/V and dK/dV reads Q/dO (and, with queries as the
+    matmul rows, its own K/V tile) through descriptors built on the host where the layout allows it (the forward's
+    rule), through per-program ones otherwise; gradients match the oracle on the first call and through the direct
+    backward plan, which rebuilds the descriptors for the new tensors."""
+    monkeypatch.setattr(launch, "BACKWARD_HOST_DESCRIPTORS", True)
+    monkeypatch.setattr(launch, "DKDV_QUERY_ROWS_FROM", 1 if query_rows else 1 << 30)
     tma = Config(16, 16, 4, 1, True)
     with autotune.forced(fwd=tma, dq=tma, dkdv=tma):
         for seed in (0, 1):  # the second call of the problem goes through launch._BACKWARD
             _run(p, torch.bfloat16 if not INTERPRETED else torch.float32, grads=True, seed=seed)
     plans = list(launch._BACKWARD.values())
-    assert len(plans) == 1 and plans[0].dq.meta["TMA"]
-    assert plans[0].dq.meta["HOST_DESC"] == host
-    assert (plans[0].dq_layouts is not None) == host
+    assert len(plans) == 1 and plans[0].dq.meta["TMA"] and plans[0].dkdv.meta["TMA"]
+    assert plans[0].dq.meta["HOST_DESC"] == host == plans[0].dkdv.meta["HOST_DESC"]
+    assert (plans[0].dq_layouts is not None) == host == (plans[0].dkdv_layouts is not None)
+    assert plans[0].dkdv.meta["QUERY_ROWS"] == query_rows
 
 
-def test_dq_host_descriptors_off_by_default():
-    """dQ's host-built descriptors wait for a GPU measurement (``launch.DQ_HOST_DESCRIPTORS``): by default dQ keeps
-    the descriptors its programs build."""
+def test_backward_host_descriptors_off_by_default():
+    """The backward's host-built descriptors wait for a GPU measurement (``launch.BACKWARD_HOST_DESCRIPTORS``): by
+    default dQ and dK/dV keep the descriptors their programs build."""
     tma = Config(16, 16, 4, 1, True)
     with autotune.forced(fwd=tma, dq=tma, dkdv=tma):
         _run(HOST_DESC_CASES[0][0], torch.bfloat16 if not INTERPRETED else torch.float32, grads=True)
-    assert not launch.DQ_HOST_DESCRIPTORS
-    assert all(not plan.dq.meta["HOST_DESC"] and plan.dq_layouts is None for plan in launch._BACKWARD.values())
+    assert not launch.BACKWARD_HOST_DESCRIPTORS
+    assert all(not plan.dq.meta["HOST_DESC"] and not plan.dkdv.meta["HOST_DESC"] and plan.dq_layouts is None
+               and plan.dkdv_layouts is None for plan in launch._BACKWARD.values())
 
 
 def test_direct_launch_checks_alignment_of_tensors_only():

@@ -488,7 +488,7 @@ def na_bwd_dq_kernel(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def na_bwd_dkdv_kernel(
-    Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV,
+    Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV, K_DESC, V_DESC, Q_DESC, DO_DESC,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt,
     skgb, skgt, skgh, svgb, svgt, svgh,
     HKV, GROUP, HEAD_DIM, VALUE_DIM, qk_scale, scale,
@@ -498,11 +498,12 @@ def na_bwd_dkdv_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
-    BISECT: tl.constexpr, TMA: tl.constexpr, QUERY_ROWS: tl.constexpr,
+    BISECT: tl.constexpr, TMA: tl.constexpr, QUERY_ROWS: tl.constexpr, HOST_DESC: tl.constexpr,
 ):
     # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
     # dK/dV have their own strides (k/v may be strided views).  GQA: the query heads of this kv head are
-    # summed in the same loop.
+    # summed in the same loop.  ``HOST_DESC``: K/V (box U) and Q/dO (box T) descriptors built on the host over
+    # ``[B, L0, L1, L2, heads * D]``, as the forward's (else the four are unused).
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NU0, NU1, NU2, D0, D1, D2, ACT0, ACT1)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -528,9 +529,9 @@ def na_bwd_dkdv_kernel(
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     if QUERY_ROWS:  # k/v are B operands: TMA copies them into the shared memory the matmuls read them from
-        k_src, v_src, lead, k_col, v_col = _kv_sources(Kp + k_base, V + v_base, Kp, V, b, hk, g0, g1, g2, D0, D1, D2,
-                                                       L1, L2, Lg0, Lg1, Lg2, skt, svt, skh, svh, HEAD_DIM, VALUE_DIM,
-                                                       U0, U1, U2, BLOCK_D, BLOCK_DV, TMA, False)
+        k_src, v_src, lead, k_col, v_col = _kv_sources(Kp + k_base, V + v_base, K_DESC, V_DESC, b, hk, g0, g1, g2, D0,
+                                                       D1, D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh, svh, HEAD_DIM,
+                                                       VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA, HOST_DESC)
         k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
     else:  # k/v are A operands: an N-D TMA box would pass through registers (2d-flux dK/dV +29%, session 6)
@@ -550,7 +551,7 @@ def na_bwd_dkdv_kernel(
     n_tiles = n0 * n1 * n2
 
     r0, r1, r2 = _tile_coords(T0, T1, T2)
-    if TMA:  # the GROUP query heads of this kv head are the leading axis of the Q / dO descriptors
+    if TMA and not HOST_DESC:  # the GROUP query heads of this kv head are the leading axis of the Q / dO descriptors
         q_desc = _group_descriptor(Q + b.to(tl.int64) * sqb + hk * GROUP * sqh, g0, g1, g2, D0, D1, D2, L1, L2,
                                    Lg0, Lg1, Lg2, sqt, HEAD_DIM, GROUP, sqh, T0, T1, T2, BLOCK_D)
         do_desc = _group_descriptor(DO + b.to(tl.int64) * sdb + hk * GROUP * sdh, g0, g1, g2, D0, D1, D2, L1, L2,
@@ -584,7 +585,10 @@ def na_bwd_dkdv_kernel(
         ok2, qc2, start2, stop2 = _axis_rows(q2, r2, Lg2, K2, S2, CAUSAL2)
         q_ok = ok0 & ok1 & ok2
         q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-        if TMA:
+        if HOST_DESC:
+            q = Q_DESC.load([b, q0, q1, q2, h * BLOCK_D]).reshape([T0 * T1 * T2, BLOCK_D])
+            do = DO_DESC.load([b, q0, q1, q2, h * BLOCK_DV]).reshape([T0 * T1 * T2, BLOCK_DV])
+        elif TMA:
             q = q_desc.load([h - hk * GROUP, q0, q1, q2, 0]).reshape([T0 * T1 * T2, BLOCK_D])
             do = do_desc.load([h - hk * GROUP, q0, q1, q2, 0]).reshape([T0 * T1 * T2, BLOCK_DV])
         else:

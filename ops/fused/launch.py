@@ -77,11 +77,12 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
     ) | ({"maxnreg": launch.maxnreg} if launch.maxnreg else {})
 
 
-# dQ reads its K/V tiles through descriptors built on the host, as the forward does, where the layout allows it
-# (``host_descriptors_ok``) and the launch uses TMA.  Off until timed on a GPU: written in session 9, which had no
-# device; the forward gained from the same change on short loops (nat-s1 0.218 -> 0.134 ms, session 7), and the
-# tests run it under the interpreter.  ``benchmarks/results/session9`` holds the device script that times it.
-DQ_HOST_DESCRIPTORS = False
+# The backward kernels read their tiles through descriptors built on the host, as the forward does, where the layout
+# allows it (``host_descriptors_ok``) and the launch uses TMA: K/V in dQ, Q/dO (and, with queries as the matmul rows,
+# their own K/V tile) in dK/dV.  Off until timed on a GPU: written in session 9, which had no device; the forward
+# gained from the same change on short loops (nat-s1 0.218 -> 0.134 ms, session 7), and the tests run it under the
+# interpreter.  ``benchmarks/results/session9`` holds the device script that times it (``tile_ab.py --bwd-host-desc``).
+BACKWARD_HOST_DESCRIPTORS = False
 
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
 # are then B operands and the kernel spills less (sm_90 report on the 3-D tile: 656 -> 168 B; dK/dV on an H100,
@@ -375,6 +376,7 @@ class _DirectBackward:
     shapes: tuple  # (B, N, Hq, Hkv, D, Dv)
     rpb_direct: bool
     dq_layouts: tuple | None = None  # of dQ's host-built K/V descriptors (rebuilt per call), if any
+    dkdv_layouts: tuple | None = None  # of dK/dV's host-built K/V and Q/dO descriptors (rebuilt per call), if any
 
 
 _BACKWARD: dict[tuple, _DirectBackward] = {}
@@ -406,7 +408,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
     dq_descs = (q, q) if plan.dq_layouts is None else host_kv_descriptors(k, v, plan.dq_layouts)
     plan.dq((q, k, v, table, d_out, lse, delta, dq, *dq_descs))
-    plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv))
+    plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv, *_dkdv_descriptors(q, k, v, d_out, plan.dkdv_layouts)))
     drpb = None
     if plan.drpb is not None:
         partial = torch.zeros(plan.drpb_buffer, dtype=torch.float32, device=dev)
@@ -437,7 +439,9 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
     # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
-    dq_host = DQ_HOST_DESCRIPTORS and dq_tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
+    dq_host = BACKWARD_HOST_DESCRIPTORS and dq_tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
+    dkdv_host = (BACKWARD_HOST_DESCRIPTORS and dkdv_tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
+                 and host_descriptors_ok(params, q4, do4, b, hq))
 
     def dq_plan(launch):
         window, programs = _window_args(params, launch.outer_tile)
@@ -461,21 +465,26 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         meta["BISECT"] = max(math.ceil(L / dil).bit_length() for L, dil in zip(params.spatial, params.dilation))
         meta["TMA"] = launch.tma and dkdv_tma_ok
         meta["QUERY_ROWS"] = math.prod(launch.inner_tile) >= DKDV_QUERY_ROWS_FROM
+        meta["HOST_DESC"] = meta["TMA"] and dkdv_host
         scalars = (*common, *_strides(dk), *_strides(dvv), hkv, hq // hkv, d, dv, scale * kernels.LOG2E, scale,
                    *window)
-        return programs, scalars, meta
+        layouts = None
+        if meta["HOST_DESC"]:  # K/V in boxes of the KV tile, Q/dO in boxes of the query tile
+            layouts = (host_kv_layouts(params, k4, v4, launch.outer_tile),
+                       host_kv_layouts(params, q4, do4, launch.inner_tile))
+        return programs, scalars, meta, layouts
 
     def run_dkdv(launch, plan=None):
-        programs, scalars, meta = plan or dkdv_plan(launch)
-        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dk, dvv)
+        programs, scalars, meta, layouts = plan or dkdv_plan(launch)
+        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dk, dvv, *_dkdv_descriptors(q4, k4, v4, do4, layouts))
         _launch_chunks(kernels.na_bwd_dkdv_kernel, programs, hkv, b, tensors, scalars, meta)
 
     shapes = (params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), do4.stride(), q.dtype,
-              has_rpb, scale, dq_tma_ok, dkdv_tma_ok, dq_host)
+              has_rpb, scale, dq_tma_ok, dkdv_tma_ok, dq_host, dkdv_host)
     launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
     dq_args = _plan(("dq", launch, *shapes), lambda: dq_plan(launch))
     run_dq(launch, dq_args)
-    launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok)
+    launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok, host_descriptors=dkdv_host)
     dkdv_args = _plan(("dkdv", launch, *shapes), lambda: dkdv_plan(launch))
     run_dkdv(launch, dkdv_args)
     drpb = drpb_launch = drpb_partial = None
@@ -489,7 +498,8 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     if d_lse is not None:
         pairs += ((dlse, d_lse),)
     if _same_memory(pairs) and len(_batch_chunks(b, hq)) == 1 and len(_BACKWARD) < MAX_DIRECT_PLANS:
-        (dq_programs, dq_scalars, dq_meta, dq_layouts), (dkdv_programs, dkdv_scalars, dkdv_meta) = dq_args, dkdv_args
+        (dq_programs, dq_scalars, dq_meta, dq_layouts), (dkdv_programs, dkdv_scalars, dkdv_meta, dkdv_layouts) = \
+            dq_args, dkdv_args
         _BACKWARD[key] = _DirectBackward(
             delta=delta_launch,
             dq=_Launch(kernels.na_bwd_dq_kernel, (dq_programs, b * hq), dq_scalars, dq_meta),
@@ -500,9 +510,17 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
             shapes=(b, n, hq, hkv, d, dv),
             rpb_direct=_rpb_direct(rpb),
             dq_layouts=dq_layouts,
+            dkdv_layouts=dkdv_layouts,
         )
     spatial = q.shape[1:-2]
     return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
+
+
+def _dkdv_descriptors(q, k, v, d_out, layouts) -> tuple:
+    """dK/dV's four descriptor arguments: host-built K, V, Q, dO descriptors for this call's tensors, or stand-ins."""
+    if layouts is None:
+        return q, q, q, q
+    return (*host_kv_descriptors(k, v, layouts[0]), *host_kv_descriptors(q, d_out, layouts[1]))
 
 
 def _delta_launch(o4, do4, has_dlse: bool) -> _Launch:
