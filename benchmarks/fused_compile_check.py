@@ -41,8 +41,12 @@ kernels = _load_kernels()
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-POINTERS = {"Q", "Kp", "V", "RPB", "O", "LSE", "DO", "DELTA", "DQ", "DK", "DV", "DRPB", "K_DESC", "V_DESC", "Q_DESC", "DO_DESC"}
+POINTERS = {"Q", "Kp", "V", "RPB", "O", "LSE", "DO", "DELTA", "DQ", "DK", "DV", "DRPB", "K_DESC", "V_DESC", "Q_DESC",
+            "DO_DESC"}
 FLOATS = {"qk_scale", "scale"}
+# host-built descriptors (``HOST_DESC``): the tile their box spans (U: key tile, T: query tile) and its row width
+DESCRIPTOR_BOXES = {"K_DESC": ("U", "BLOCK_D"), "V_DESC": ("U", "BLOCK_DV"), "Q_DESC": ("T", "BLOCK_D"),
+                    "DO_DESC": ("T", "BLOCK_DV")}
 
 
 def signature(fn, constexprs, dtype):
@@ -50,14 +54,10 @@ def signature(fn, constexprs, dtype):
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in ("K_DESC", "V_DESC") and constexprs.get("HOST_DESC"):
-            c = constexprs
-            width = c["BLOCK_D"] if name == "K_DESC" else c["BLOCK_DV"]
-            sig[name] = f"tensordesc<{dtype}[1,{c['U0']},{c['U1']},{c['U2']},{width}]>"
-        elif name in ("Q_DESC", "DO_DESC") and constexprs.get("HOST_DESC"):
-            c = constexprs
-            width = c["BLOCK_D"] if name == "Q_DESC" else c["BLOCK_DV"]
-            sig[name] = f"tensordesc<{dtype}[1,{c['T0']},{c['T1']},{c['T2']},{width}]>"
+        elif name in DESCRIPTOR_BOXES and constexprs.get("HOST_DESC"):
+            tile, width = DESCRIPTOR_BOXES[name]
+            box = ",".join(str(constexprs[f"{tile}{axis}"]) for axis in range(3))
+            sig[name] = f"tensordesc<{dtype}[1,{box},{constexprs[width]}]>"
         elif name in POINTERS:
             fp32 = name in ("RPB", "LSE", "DELTA", "DRPB")
             sig[name] = "*fp32" if fp32 else f"*{dtype}"
@@ -74,16 +74,22 @@ def compile_one(fn, constexprs, dtype="bf16", num_warps=4, num_stages=2):
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = compiled.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-        fh.write(ptx)
-    out = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", fh.name, "-o", os.devnull], capture_output=True,
-                         text=True)
-    regs = re.search(r"Used (\d+) registers", out.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+    regs, spill = ptxas_usage(ptx)
     ttgir = compiled.asm["ttgir"]
     extra = dict(wgmma="wgmma" in ptx, tma_loads=ttgir.count("async_tma_copy_global_to_local"),
                  smem_reshape="memdesc_reshape" in ttgir)
-    return int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None, extra
+    return regs, spill, extra
+
+
+def ptxas_usage(ptx: str) -> tuple:
+    """(registers per thread, spilled bytes or None) of a kernel's PTX, from ``ptxas -v`` for sm_90a."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+        fh.write(ptx)
+    report = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", fh.name, "-o", os.devnull], capture_output=True,
+                            text=True).stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spill = re.search(r"(\d+) bytes spill stores", report)
+    return int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None
 
 
 def window_constexprs(rank, q_tile, kv_tile, d, dv, rpb=False, causal=(False, False, False)):

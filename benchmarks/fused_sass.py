@@ -108,13 +108,8 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
 
 def resources(compiled, cc) -> tuple[int, int, int]:
     """(registers per thread, spilled bytes, shared memory bytes) of a compiled kernel, from ptxas' report."""
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-        fh.write(compiled.asm["ptx"])
-    report = subprocess.run([cc.PTXAS, "-v", "--gpu-name=sm_90a", fh.name, "-o", os.devnull], capture_output=True,
-                            text=True).stderr
-    registers = re.search(r"Used (\d+) registers", report)
-    spills = re.search(r"(\d+) bytes spill stores", report)
-    return int(registers.group(1)), int(spills.group(1)) if spills else 0, compiled.metadata.shared
+    registers, spills = cc.ptxas_usage(compiled.asm["ptx"])
+    return registers, spills or 0, compiled.metadata.shared
 
 
 def blocks(sass: str):
