@@ -141,6 +141,16 @@ def host_kv_descriptors(k: torch.Tensor, v: torch.Tensor, layouts) -> tuple:
     return TensorDescriptor(k, *layouts[0]), TensorDescriptor(v, *layouts[1])
 
 
+def descriptor_args(stand_in: torch.Tensor, layouts, *pairs) -> tuple:
+    """A launch's descriptor arguments: for each tensor pair (K/V, Q/dO) its host-built descriptors for this call's
+    tensors, in the pair's entry of ``layouts`` (``host_kv_layouts``), or ``stand_in`` for each where ``layouts`` is
+    None (the kernel leaves them unused)."""
+    if layouts is None:
+        return (stand_in,) * (2 * len(pairs))
+    return tuple(desc for pair, layout in zip(pairs, layouts, strict=True)
+                 for desc in host_kv_descriptors(*pair, layout))
+
+
 def _torch_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -275,7 +285,7 @@ class _DirectForward:
     out_shape: tuple
     lse_shape: tuple
     rpb_direct: bool
-    host_desc_layouts: tuple | None = None  # of the host-built K/V descriptors (rebuilt per call), if any
+    host_desc_layouts: tuple | None = None  # (K/V layouts,) of the host-built descriptors (rebuilt per call), if any
 
 
 _DIRECT: dict[tuple, _DirectForward] = {}
@@ -310,8 +320,7 @@ def forward(q, k, v, rpb, params: NAParams, scale: float):
         out = _empty(plan.out_shape, q.dtype, q.device)
         lse = _empty(plan.lse_shape, torch.float32, q.device)
         bias = (rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])) if rpb is not None else q
-        descs = (q, q) if plan.host_desc_layouts is None else host_kv_descriptors(k, v, plan.host_desc_layouts)
-        plan.launch((q, k, v, bias, out, lse, *descs))
+        plan.launch((q, k, v, bias, out, lse, *descriptor_args(q, plan.host_desc_layouts, (k, v))))
         return out, lse
     return _forward_full(q, k, v, rpb, params, scale, key)
 
@@ -339,13 +348,12 @@ def _forward_full(q, k, v, rpb, params, scale, key):
         scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), lse.stride(0), lse.stride(1),
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
         # the host descriptors' layouts; they hold for k / v too when the direct plan below takes them (same memory)
-        layouts = host_kv_layouts(params, k4, v4, launch.inner_tile) if meta["HOST_DESC"] else None
+        layouts = (host_kv_layouts(params, k4, v4, launch.inner_tile),) if meta["HOST_DESC"] else None
         return programs, scalars, meta, layouts
 
     def run(launch: autotune.Launch, plan=None):
         programs, scalars, meta, layouts = plan or scalars_and_meta(launch)
-        descs = (q4, q4) if layouts is None else host_kv_descriptors(k4, v4, layouts)
-        tensors = (q4, k4, v4, table if has_rpb else q4, out, lse, *descs)
+        tensors = (q4, k4, v4, table if has_rpb else q4, out, lse, *descriptor_args(q4, layouts, (k4, v4)))
         _launch_chunks(kernels.na_fwd_kernel, programs, hq, b, tensors, scalars, meta)
 
     launch = autotune.pick("fwd", q, k, v, params, has_rpb, run, tma=tma_ok, host_descriptors=host_desc)
@@ -375,8 +383,8 @@ class _DirectBackward:
     drpb_buffer: tuple  # shape of the dRPB accumulator (per-program partial rows unless atomic)
     shapes: tuple  # (B, N, Hq, Hkv, D, Dv)
     rpb_direct: bool
-    dq_layouts: tuple | None = None  # of dQ's host-built K/V descriptors (rebuilt per call), if any
-    dkdv_layouts: tuple | None = None  # of dK/dV's host-built K/V and Q/dO descriptors (rebuilt per call), if any
+    dq_layouts: tuple | None = None  # (K/V layouts,) of dQ's host-built descriptors (rebuilt per call), if any
+    dkdv_layouts: tuple | None = None  # (K/V, Q/dO layouts) of dK/dV's host-built descriptors, if any
 
 
 _BACKWARD: dict[tuple, _DirectBackward] = {}
@@ -406,9 +414,9 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
     table = (rpb if plan.rpb_direct else _rpb_table(rpb, hq)) if rpb is not None else q
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
-    dq_descs = (q, q) if plan.dq_layouts is None else host_kv_descriptors(k, v, plan.dq_layouts)
-    plan.dq((q, k, v, table, d_out, lse, delta, dq, *dq_descs))
-    plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv, *_dkdv_descriptors(q, k, v, d_out, plan.dkdv_layouts)))
+    plan.dq((q, k, v, table, d_out, lse, delta, dq, *descriptor_args(q, plan.dq_layouts, (k, v))))
+    plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv,
+               *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out))))
     drpb = None
     if plan.drpb is not None:
         partial = torch.zeros(plan.drpb_buffer, dtype=torch.float32, device=dev)
@@ -439,9 +447,9 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
     # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
-    dq_host = BACKWARD_HOST_DESCRIPTORS and dq_tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
-    dkdv_host = (BACKWARD_HOST_DESCRIPTORS and dkdv_tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
-                 and host_descriptors_ok(params, q4, do4, b, hq))
+    kv_host = BACKWARD_HOST_DESCRIPTORS and host_descriptors_ok(params, k4, v4, b, hq)
+    dq_host = kv_host and dq_tma_ok
+    dkdv_host = kv_host and dkdv_tma_ok and host_descriptors_ok(params, q4, do4, b, hq)
 
     def dq_plan(launch):
         window, programs = _window_args(params, launch.outer_tile)
@@ -449,13 +457,12 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         meta["TMA"] = launch.tma and dq_tma_ok
         meta["HOST_DESC"] = meta["TMA"] and dq_host
         scalars = (*common, *_strides(dq), hq, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
-        layouts = host_kv_layouts(params, k4, v4, launch.inner_tile) if meta["HOST_DESC"] else None
+        layouts = (host_kv_layouts(params, k4, v4, launch.inner_tile),) if meta["HOST_DESC"] else None
         return programs, scalars, meta, layouts
 
     def run_dq(launch, plan=None):
         programs, scalars, meta, layouts = plan or dq_plan(launch)
-        descs = (q4, q4) if layouts is None else host_kv_descriptors(k4, v4, layouts)
-        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dq, *descs)
+        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dq, *descriptor_args(q4, layouts, (k4, v4)))
         _launch_chunks(kernels.na_bwd_dq_kernel, programs, hq, b, tensors, scalars, meta)
 
     def dkdv_plan(launch):
@@ -476,7 +483,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
 
     def run_dkdv(launch, plan=None):
         programs, scalars, meta, layouts = plan or dkdv_plan(launch)
-        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dk, dvv, *_dkdv_descriptors(q4, k4, v4, do4, layouts))
+        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dk, dvv, *descriptor_args(q4, layouts, (k4, v4), (q4, do4)))
         _launch_chunks(kernels.na_bwd_dkdv_kernel, programs, hkv, b, tensors, scalars, meta)
 
     shapes = (params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), do4.stride(), q.dtype,
@@ -514,13 +521,6 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         )
     spatial = q.shape[1:-2]
     return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
-
-
-def _dkdv_descriptors(q, k, v, d_out, layouts) -> tuple:
-    """dK/dV's four descriptor arguments: host-built K, V, Q, dO descriptors for this call's tensors, or stand-ins."""
-    if layouts is None:
-        return q, q, q, q
-    return (*host_kv_descriptors(k, v, layouts[0]), *host_kv_descriptors(q, d_out, layouts[1]))
 
 
 def _delta_launch(o4, do4, has_dlse: bool) -> _Launch:
