@@ -14,8 +14,9 @@ For each kernel (fwd, dq, dkdv) the script times, on the same inputs:
 Times are the tuner's own (median of CUDA-graph replays, ``autotune._kernel_ms``), one line per
 round and a median over the rounds at the end; alternating rounds keep clock drift out of the A/B.
 ``--keep-best`` writes each kernel's fastest launch into the tuning cache for this problem.
-``--bwd-host-desc`` also times every TMA variant of dQ and dK/dV with descriptors built on the host
-(``launch.BACKWARD_HOST_DESCRIPTORS``, as ``name+host``), from a second capture of the problem.
+``--bwd-host-desc`` times every TMA variant of dQ and dK/dV twice: with descriptors built by each program
+(``launch.BACKWARD_HOST_DESCRIPTORS`` off, as ``name``) and on the host (on, the default, as ``name+host``), from
+two captures of the problem.
 """
 import argparse
 import dataclasses
@@ -73,17 +74,20 @@ def main():
     ap.add_argument("--kernels", default="fwd,dq,dkdv")
     ap.add_argument("--keep-best", action="store_true", help="store each kernel's fastest launch in the cache")
     ap.add_argument("--bwd-host-desc", action="store_true",
-                    help="also time the TMA variants of dQ and dK/dV with host-built descriptors (name+host)")
+                    help="time the TMA variants of dQ and dK/dV with per-program (name) and host-built (name+host) "
+                         "descriptors")
     args = ap.parse_args()
     problem = {p.name: p for p in standard_problems()}[args.problem]
-    runs, params = capture_runs(problem)
+    switch = fused_launch.BACKWARD_HOST_DESCRIPTORS
     host_runs = {}
-    if args.bwd_host_desc:  # the launcher decides per problem: capture it again with the switch on
+    if args.bwd_host_desc:  # the launcher decides per problem: capture it with the switch on, the base with it off
         fused_launch.BACKWARD_HOST_DESCRIPTORS = True
-        fused_launch._DIRECT.clear()
-        fused_launch._BACKWARD.clear()
         host_runs = {kernel: runs_[0] for kernel, runs_ in capture_runs(problem)[0].items() if kernel in ("dq", "dkdv")}
         fused_launch.BACKWARD_HOST_DESCRIPTORS = False
+        fused_launch._DIRECT.clear()
+        fused_launch._BACKWARD.clear()
+    runs, params = capture_runs(problem)
+    fused_launch.BACKWARD_HOST_DESCRIPTORS = switch
     extra = [parse_variant(v) for v in args.variant]
     table = {}
     for kernel in args.kernels.split(","):

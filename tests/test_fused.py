@@ -7,8 +7,9 @@ Tolerances: interpreter float32 is exact float32 math (1e-5 relative to the outp
 GPU float32 matmuls run in tf32 (5e-3); bfloat16 / float16 inputs 3e-2 / 1e-2.
 Every output buffer of the kernels is poisoned with NaN first (so an unwritten element fails).
 """
-import os
+import dataclasses
 import math
+import os
 import random
 
 import pytest
@@ -197,15 +198,17 @@ def test_backward_descriptors_built_on_the_host(p, host, query_rows, monkeypatch
     assert plans[0].dkdv.meta["QUERY_ROWS"] == query_rows
 
 
-def test_backward_host_descriptors_off_by_default():
-    """The backward's host-built descriptors wait for a GPU measurement (``launch.BACKWARD_HOST_DESCRIPTORS``): by
-    default dQ and dK/dV keep the descriptors their programs build."""
+def test_backward_host_descriptors_follow_the_switch(monkeypatch):
+    """The backward's host-built descriptors are on by default (``launch.BACKWARD_HOST_DESCRIPTORS``, measured
+    faster on short loops in session 10); switched off, dQ and dK/dV build their descriptors per program."""
+    assert launch.BACKWARD_HOST_DESCRIPTORS
+    monkeypatch.setattr(launch, "BACKWARD_HOST_DESCRIPTORS", False)
     tma = Config(16, 16, 4, 1, True)
     with autotune.forced(fwd=tma, dq=tma, dkdv=tma):
         _run(HOST_DESC_CASES[0][0], torch.bfloat16 if not INTERPRETED else torch.float32, grads=True)
-    assert not launch.BACKWARD_HOST_DESCRIPTORS
-    assert all(not plan.dq.meta["HOST_DESC"] and not plan.dkdv.meta["HOST_DESC"] and plan.dq_layouts is None
-               and plan.dkdv_layouts is None for plan in launch._BACKWARD.values())
+    plans = list(launch._BACKWARD.values())
+    assert plans and all(plan.dq.meta["TMA"] and not plan.dq.meta["HOST_DESC"] and not plan.dkdv.meta["HOST_DESC"]
+                         and plan.dq_layouts is None and plan.dkdv_layouts is None for plan in plans)
 
 
 def test_direct_launch_checks_alignment_of_tensors_only():
@@ -549,18 +552,19 @@ def test_forward_default_keeps_tma_only_with_host_descriptors(monkeypatch, packe
     """The launcher tells the defaults whether the forward's descriptors are built on the host, as it decides with
     the tensors in hand: packed heads with a power-of-two head dim get them (and TMA on a short loop); keys and
     values whose heads are not packed (a slice of a wider tensor) build them per program, so the short loop keeps
-    pointer loads.  (autotune used to guess from the dilation alone.)"""
+    pointer loads.  (autotune used to guess from the dilation alone.)  On a GPU, TMA needs 16-bit values."""
     monkeypatch.setattr(autotune, "_memo", {})
     monkeypatch.setattr(autotune, "_cache", {})
+    dtype = torch.float32 if INTERPRETED else torch.float16
     params = NAParams((6, 6), (3, 3), (1, 1), (1, 1), (False, False))
     gen = torch.Generator().manual_seed(7)
-    q = torch.randn(1, 6, 6, 2, 32, generator=gen).to(DEVICE)
-    kv = torch.randn(2, 1, 6, 6, 2, 32 if packed else 64, generator=gen).to(DEVICE)
+    q = torch.randn(1, 6, 6, 2, 32, generator=gen).to(DEVICE, dtype)
+    kv = torch.randn(2, 1, 6, 6, 2, 32 if packed else 64, generator=gen).to(DEVICE, dtype)
     k, v = kv[0, ..., :32], kv[1, ..., :32]
     out = ops.na2d(q, k, v, 3, backend="fused")
     ref, _ = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), (6, 6), (3, 3), (1, 1), (1, 1),
                               (False, False))
-    assert _rel_err(out, ref) < TOL[torch.float32]
+    assert _rel_err(out, ref) < TOL[dtype]
     (memo_key, launch), = [(key, got) for key, got in autotune._memo.items() if key[0] == "fwd"]
     assert memo_key[-1] == packed  # host descriptors
     assert autotune.window_regime(params) == "small" and launch.tma == packed
@@ -568,7 +572,7 @@ def test_forward_default_keeps_tma_only_with_host_descriptors(monkeypatch, packe
 
 def test_head_dim_32_defaults_follow_the_window_regime():
     """Head dims up to 32: small windows get 16-query one-warp tiles (half the keys per query of the table's
-    tiles, the forward with TMA loads from host-built descriptors), windows that cover their whole dilation group
+    tiles, with TMA loads where the descriptors are built on the host), windows that cover their whole dilation group
     one 64-query tile per group, other windows the head-dim table; wider heads ignore the regime."""
     nat = NAParams((56, 56), (7, 7), (1, 1), (1, 1), (False, False))
     dinat = NAParams((56, 56), (7, 7), (1, 1), (8, 8), (False, False))
@@ -576,9 +580,10 @@ def test_head_dim_32_defaults_follow_the_window_regime():
     assert [autotune.window_regime(p) for p in (nat, dinat, large)] == ["small", "dense-group", "large"]
     fwd = autotune._default_launch("fwd", nat, 32, host_descriptors=True)
     assert (fwd.outer_tile, fwd.inner_tile, fwd.num_warps, fwd.tma) == ((1, 2, 8), (1, 4, 16), 1, True)
-    for kernel in ("dq", "dkdv"):
+    for kernel in ("dq", "dkdv"):  # TMA only where the backward builds its descriptors on the host
         launch = autotune._default_launch(kernel, nat, 32)
         assert math.prod(launch.outer_tile) == 16 and launch.num_warps == 1 and not launch.tma
+        assert autotune._default_launch(kernel, nat, 32, host_descriptors=True) == dataclasses.replace(launch, tma=True)
     dense = autotune._default_launch("fwd", dinat, 32)
     assert (dense.outer_tile, dense.inner_tile, dense.num_warps) == ((1, 8, 8), (1, 8, 8), 4)
     for params in (large, nat):
@@ -669,6 +674,20 @@ def test_gpu_small_window_tiles(warps):
         p.dim = max(p.dim, 8)
         with autotune.forced(fwd=small, dq=small, dkdv=dkdv):
             _run(p, torch.bfloat16, grads=True, seed=warps)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rpb", [False, True])
+def test_gpu_small_window_defaults_use_host_descriptors(rpb, monkeypatch):
+    """NAT's small windows on the default tiles (no cache, no tuning): one-warp 16-query tiles whose forward, dQ and
+    dK/dV read through TMA descriptors built on the host, with GQA and RPB."""
+    monkeypatch.setattr(autotune, "_memo", {})
+    monkeypatch.setattr(autotune, "_cache", {})
+    _run(_fixed((20, 24), (7, 7), rpb=rpb, heads=4, heads_kv=2, dim=32, dim_v=32, batch=2), torch.bfloat16,
+         grads=True)
+    (fwd,), (bwd,) = launch._DIRECT.values(), launch._BACKWARD.values()
+    assert fwd.launch.meta["HOST_DESC"] and bwd.dq.meta["HOST_DESC"] and bwd.dkdv.meta["HOST_DESC"]
 
 
 @pytest.mark.gpu

@@ -71,8 +71,11 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
 #   RPB fwd 0.424 -> 0.216, dQ 0.496 -> 0.232, dK/dV 0.573 -> 0.332; nat-s3 fwd 0.063 -> 0.039, dK/dV 0.086 -> 0.066.
 # * windows covering their whole dilation group (DiNAT's dilated layers): dense attention inside each group, one
 #   64-query tile per group.  dinat-s1 fwd 0.189 -> 0.115 ms.
+# The small-window tiles use TMA where the launcher builds the descriptors on the host (``_default_launch`` drops it
+# elsewhere): nat-s1 dK/dV 0.295 -> 0.228 ms, dQ 0.160 -> 0.154 (session 10).
 SMALL_WINDOW = 81
-SMALL_WINDOW_DEFAULTS = {"fwd": Config(16, 64, 1, 2, True), "dq": Config(16, 32, 1, 2), "dkdv": Config(16, 32, 1, 2)}
+SMALL_WINDOW_DEFAULTS = {"fwd": Config(16, 64, 1, 2, True), "dq": Config(16, 32, 1, 2, True),
+                         "dkdv": Config(16, 32, 1, 2, True)}
 DENSE_GROUP_DEFAULTS = {"fwd": Config(64, 64, 4, 3)}
 REGIME_MAX_WIDTH = 32
 
@@ -90,7 +93,10 @@ CANDIDATES: dict[str, list[Config]] = {
             Config(16, 64, 1, 2, maxnreg=128),
             # head dim 128, windows aligned to the tile (stride variants): 32-key tiles at 3 stages take 64 KiB of
             # shared memory and 124 registers, 3 programs per SM against 2 for 64-key ones (ptxas, session 9)
-            Config(64, 32, 4, 3)],
+            Config(64, 32, 4, 3),
+            # nat-s1 reads K/V from L2 at 84% of its throughput (ncu, session 10): 32-query one-warp tiles reach 4.4
+            # keys per query against 7 for 16-query ones; (1,4,8) x (1,2,16) with TMA, 128 registers: 0.129 -> 0.125 ms
+            Config(32, 32, 1, 3, maxnreg=128)],
     "dq": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
            Config(32, 32, 4, 2), Config(128, 32, 8, 2), Config(128, 64, 8, 3), Config(64, 64, 4, 3),
            Config(64, 128, 8, 2), Config(16, 64, 1, 2), Config(16, 32, 1, 2)],
@@ -276,8 +282,9 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
 # A program that builds its TMA descriptors itself pays for it once, so TMA pays only over a long enough loop.
 # Measured on an H100 with default tiles (RESULTS.md, session 5): a loop of 5 inner tiles (nat-s1) ran 35%
 # slower with TMA, 14 tiles (3d-causal) the same, 121 tiles (2d-flux) 12% faster.  Where the launcher builds the
-# descriptors on the host (the forward of an undilated problem with packed heads and power-of-two head dims,
-# ``launch.host_descriptors_ok``), TMA wins on short loops too (nat-s1, 2 tiles: 0.154 -> 0.128 ms, session 8).
+# descriptors on the host (an undilated problem with packed heads and power-of-two head dims,
+# ``launch.host_descriptors_ok``), TMA wins on short loops too (nat-s1 forward, 2 tiles: 0.154 -> 0.128 ms, session 8;
+# its dK/dV 0.295 -> 0.228, session 10).
 MIN_TMA_LOOP = 16
 
 

@@ -79,10 +79,11 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
 
 # The backward kernels read their tiles through descriptors built on the host, as the forward does, where the layout
 # allows it (``host_descriptors_ok``) and the launch uses TMA: K/V in dQ, Q/dO (and, with queries as the matmul rows,
-# their own K/V tile) in dK/dV.  Off until timed on a GPU: written in session 9, which had no device; the forward
-# gained from the same change on short loops (nat-s1 0.218 -> 0.134 ms, session 7), and the tests run it under the
-# interpreter.  ``benchmarks/results/session9`` holds the device script that times it (``tile_ab.py --bwd-host-desc``).
-BACKWARD_HOST_DESCRIPTORS = False
+# their own K/V tile) in dK/dV.  A program that builds its own descriptors pays for it on every launch, which a short
+# loop does not earn back.  Measured on an H100 (RESULTS.md, session 10; bf16, cached tiles, ms): nat-s1 dK/dV
+# 0.295 with pointer loads, 0.327 with per-program descriptors, 0.228 with host ones; dQ 0.160 / 0.239 / 0.154;
+# nat-s1-rpb dK/dV 0.339 / 0.438 / 0.280, dQ 0.242 / 0.292 / 0.226; 2d-flux (121-tile loops) within 1%.
+BACKWARD_HOST_DESCRIPTORS = True
 
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
 # are then B operands and the kernel spills less (sm_90 report on the 3-D tile: 656 -> 168 B; dK/dV on an H100,
