@@ -72,7 +72,7 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
 # * windows covering their whole dilation group (DiNAT's dilated layers): dense attention inside each group, one
 #   64-query tile per group.  dinat-s1 fwd 0.189 -> 0.115 ms.
 # The small-window tiles use TMA where the launcher builds the descriptors on the host (``_default_launch`` drops it
-# elsewhere): nat-s1 dK/dV 0.295 -> 0.228 ms, dQ 0.160 -> 0.154 (session 10).
+# elsewhere; the backward's measurements are at ``launch.BACKWARD_HOST_DESCRIPTORS``).
 SMALL_WINDOW = 81
 SMALL_WINDOW_DEFAULTS = {"fwd": Config(16, 64, 1, 2, True), "dq": Config(16, 32, 1, 2, True),
                          "dkdv": Config(16, 32, 1, 2, True)}
@@ -284,7 +284,7 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
 # slower with TMA, 14 tiles (3d-causal) the same, 121 tiles (2d-flux) 12% faster.  Where the launcher builds the
 # descriptors on the host (an undilated problem with packed heads and power-of-two head dims,
 # ``launch.host_descriptors_ok``), TMA wins on short loops too (nat-s1 forward, 2 tiles: 0.154 -> 0.128 ms, session 8;
-# its dK/dV 0.295 -> 0.228, session 10).
+# the backward: ``launch.BACKWARD_HOST_DESCRIPTORS``).
 MIN_TMA_LOOP = 16
 
 
