@@ -241,17 +241,26 @@ def test_int64_index_path(monkeypatch):
     assert launch._PLANS and all(plan[2]["IDX64"] for plan in launch._PLANS.values())  # (programs, scalars, meta, ..)
 
 
-@pytest.mark.parametrize("atomic", [False, True], ids=["partial-rows", "atomic"])
-def test_batch_chunks_and_drpb_modes(monkeypatch, atomic):
-    """More batch x heads than one grid row holds (launches split by batch) and both dRPB modes:
-    deterministic per-program rows, and atomics (used above DRPB_PARTIAL_BYTES when determinism is off)."""
-    from ops.fused import op
+@pytest.mark.parametrize("mode", ["window", "partial-rows", "atomic"])
+def test_batch_chunks_and_drpb_modes(monkeypatch, mode):
+    """More batch x heads than one grid row holds (launches split by batch) and the three dRPB modes: dQ's dS in
+    window layout summed by offset (up to rpb_grad.WINDOW_BUFFER_BYTES), and above that the offset pass, with
+    deterministic per-program rows or atomics (above DRPB_PARTIAL_BYTES when determinism is off)."""
+    from ops.fused import op, rpb_grad
 
     monkeypatch.setattr(launch, "MAX_GRID_Y", 4)  # 2 heads: two batch elements per launch
-    if atomic:
+    paths = []
+    for module, name in ((rpb_grad, "reduce_window_ds"), (launch, "_drpb_launch")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: paths.append(_name) or
+                            _real(*a, **kw))
+    if mode != "window":
+        monkeypatch.setattr(rpb_grad, "WINDOW_BUFFER_BYTES", 0)
+    if mode == "atomic":
         monkeypatch.setattr(op, "DRPB_DETERMINISTIC_DEFAULT", False)
         monkeypatch.setattr(launch, "DRPB_PARTIAL_BYTES", 0)
     _run(_fixed((6, 7), (3, 5), rpb=True, heads=2, heads_kv=1, batch=3), torch.float32, grads=True)
+    assert paths == ["reduce_window_ds" if mode == "window" else "_drpb_launch"]
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma-loads"])
@@ -428,9 +437,12 @@ def test_frozen_rpb_gets_no_gradient_kernel(monkeypatch, traced):
     """An RPB that needs no gradient (frozen while fine-tuning) still biases the scores, but the dRPB
     kernel does not run; q/k/v gradients match the oracle, on the eager path and through the custom op
     (what compiled code calls)."""
+    from ops.fused import rpb_grad
+
     calls = []
-    real_drpb = launch._drpb_launch
-    monkeypatch.setattr(launch, "_drpb_launch", lambda *a, **kw: calls.append(1) or real_drpb(*a, **kw))
+    for module, name in ((rpb_grad, "reduce_window_ds"), (launch, "_drpb_launch")):  # either dRPB path
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     mk = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
     q, k, v, rpb = mk(1, 6, 5, 2, 16), mk(1, 6, 5, 2, 16), mk(1, 6, 5, 2, 16), mk(2, 5, 5)

@@ -270,6 +270,19 @@ def _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2
                          start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1, False)
 
 
+@triton.jit
+def _store_window_ds(base, ds, q_ok, q_tok, stride_token, kj0, kj1, kj2, start0, stop0, start1, stop1, start2, stop2,
+                     K1, K2):
+    """Stores the [queries, keys] tile ``ds`` at ``base + token * stride_token + slot`` for the pairs inside each
+    query's window (slot: the key's row-major position in the window).  Every (query, slot) pair lies in exactly one
+    key tile of the query's loop, so each is written once."""
+    inside = q_ok[:, None] & _axis_keep(kj0, start0, stop0, False) & _axis_keep(kj1, start1, stop1, False)
+    inside = inside & _axis_keep(kj2, start2, stop2, False)
+    slot = ((kj0[None, :] - start0[:, None]) * K1 + (kj1[None, :] - start1[:, None])) * K2 + \
+        (kj2[None, :] - start2[:, None])
+    tl.store(base + q_tok[:, None] * stride_token + slot, ds, mask=inside)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
@@ -402,8 +415,8 @@ def na_bwd_delta_kernel(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def na_bwd_dq_kernel(
-    Q, Kp, V, RPB, DO, LSE, DELTA, DQ, K_DESC, V_DESC,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt, sgb, sgt, sgh,
+    Q, Kp, V, RPB, DO, LSE, DELTA, DQ, K_DESC, V_DESC, DSW,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt, sgb, sgt, sgh, swb, swt, swh,
     HQ, GROUP, HEAD_DIM, VALUE_DIM, qk_scale, scale,
     L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2,
     CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
@@ -411,10 +424,13 @@ def na_bwd_dq_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
-    TMA: tl.constexpr, HOST_DESC: tl.constexpr,
+    TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_DS: tl.constexpr,
 ):
     # lse and delta share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (as in the forward), else unused.
+    # ``STORE_DS``: also writes dS in window layout, DSW[b, token, h, slot] (float32, strides swb, swt, swh; slot =
+    # row-major position of the key in the query's window), from which the host sums the RPB gradient by offset
+    # (``ops/fused/rpb_grad.py``); else DSW is unused.
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2, ACT0, ACT1)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -475,6 +491,9 @@ def na_bwd_dq_kernel(
                               stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
+        if STORE_DS:
+            _store_window_ds(DSW + b.to(tl.int64) * swb + h * swh, ds, q_ok, q_tok, swt, kj0, kj1, kj2,
+                             start0, stop0, start1, stop1, start2, stop2, K1, K2)
         dq += tl.dot(ds.to(k.dtype), k)
 
     dq = dq * scale

@@ -8,7 +8,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import autotune, kernels
+from . import autotune, kernels, rpb_grad
 from ..window import NAParams
 
 # Deterministic dRPB writes one partial row per program; above this many bytes it uses atomics
@@ -382,6 +382,8 @@ class _DirectBackward:
     drpb: _Launch | None
     drpb_atomic: bool
     drpb_buffer: tuple  # shape of the dRPB accumulator (per-program partial rows unless atomic)
+    ds_window: tuple | None  # shape of dQ's window-layout dS (``rpb_grad``) where it gives dRPB, else None
+    params: NAParams
     shapes: tuple  # (B, N, Hq, Hkv, D, Dv)
     rpb_direct: bool
     dq_layouts: tuple | None = None  # (K/V layouts,) of dQ's host-built descriptors (rebuilt per call), if any
@@ -414,12 +416,16 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     dk = _empty(k.shape, k.dtype, dev)
     dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
     table = (rpb if plan.rpb_direct else _rpb_table(rpb, hq)) if rpb is not None else q
+    ds_window = None if plan.ds_window is None else torch.empty(plan.ds_window, dtype=torch.float32, device=dev)
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
-    plan.dq((q, k, v, table, d_out, lse, delta, dq, *descriptor_args(q, plan.dq_layouts, (k, v))))
+    plan.dq((q, k, v, table, d_out, lse, delta, dq, *descriptor_args(q, plan.dq_layouts, (k, v)),
+             q if ds_window is None else ds_window))
     plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv,
                *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out))))
     drpb = None
-    if plan.drpb is not None:
+    if ds_window is not None:
+        drpb = rpb_grad.reduce_window_ds(ds_window, plan.params).reshape(rpb.shape).to(rpb.dtype)
+    elif plan.drpb is not None:
         partial = torch.zeros(plan.drpb_buffer, dtype=torch.float32, device=dev)
         plan.drpb((q, k, v, table, d_out, lse, delta, partial))
         drpb = _drpb_total(partial, plan.drpb_atomic).reshape(rpb.shape).to(rpb.dtype)
@@ -444,7 +450,11 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     has_rpb = table is not None
     rpb_arg = table if has_rpb else q4
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
-    idx64 = needs_int64(q4, k4, v4, do4, o4)  # the gradients are contiguous: never larger offsets
+    # dRPB from dQ's dS in window layout where that buffer is small enough, else from the offset pass (rpb_grad)
+    ds_window = None
+    if has_rpb and want_drpb and rpb_grad.window_path_ok(b, hq, params):
+        ds_window = torch.empty(rpb_grad.buffer_shape(b, hq, params), dtype=torch.float32, device=q.device)
+    idx64 = needs_int64(q4, k4, v4, do4, o4, *(() if ds_window is None else (ds_window,)))  # gradients: contiguous
     # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
     # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
@@ -457,13 +467,16 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb, idx64)
         meta["TMA"] = launch.tma and dq_tma_ok
         meta["HOST_DESC"] = meta["TMA"] and dq_host
-        scalars = (*common, *_strides(dq), hq, hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
+        meta["STORE_DS"] = ds_window is not None
+        scalars = (*common, *_strides(dq), *(_strides(ds_window) if ds_window is not None else (0, 0, 0)), hq,
+                   hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
         layouts = (host_kv_layouts(params, k4, v4, launch.inner_tile),) if meta["HOST_DESC"] else None
         return programs, scalars, meta, layouts
 
     def run_dq(launch, plan=None):
         programs, scalars, meta, layouts = plan or dq_plan(launch)
-        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dq, *descriptor_args(q4, layouts, (k4, v4)))
+        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dq, *descriptor_args(q4, layouts, (k4, v4)),
+                   q4 if ds_window is None else ds_window)
         _launch_chunks(kernels.na_bwd_dq_kernel, programs, hq, b, tensors, scalars, meta)
 
     def dkdv_plan(launch):
@@ -496,7 +509,9 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     dkdv_args = _plan(("dkdv", launch, *shapes), lambda: dkdv_plan(launch))
     run_dkdv(launch, dkdv_args)
     drpb = drpb_launch = drpb_partial = None
-    if has_rpb and want_drpb:
+    if ds_window is not None:
+        drpb = rpb_grad.reduce_window_ds(ds_window, params).reshape(rpb.shape).to(rpb.dtype)
+    elif has_rpb and want_drpb:
         drpb_launch, drpb_partial, atomic = _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic,
                                                          q, k, v, idx64)
         _launch_chunks(kernels.na_bwd_drpb_kernel, drpb_launch.grid[0], hq, b,
@@ -515,6 +530,8 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
             drpb=drpb_launch,
             drpb_atomic=drpb_launch is not None and atomic,
             drpb_buffer=None if drpb_partial is None else tuple(drpb_partial.shape),
+            ds_window=None if ds_window is None else tuple(ds_window.shape),
+            params=params,
             shapes=(b, n, hq, hkv, d, dv),
             rpb_direct=_rpb_direct(rpb),
             dq_layouts=dq_layouts,
