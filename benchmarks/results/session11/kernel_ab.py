@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--rep", type=float, default=200)
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (no timing)")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     problems = {p.name: p for p in bench.standard_problems()}
     if ":" in args.problem:
         p = bench.parse_custom(args.problem)
