@@ -42,7 +42,7 @@ kernels = _load_kernels()
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 POINTERS = {"Q", "Kp", "V", "RPB", "O", "LSE", "DO", "DELTA", "DQ", "DK", "DV", "DRPB", "K_DESC", "V_DESC", "Q_DESC",
-            "DO_DESC"}
+            "DO_DESC", "DSW"}
 FLOATS = {"qk_scale", "scale"}
 # host-built descriptors (``HOST_DESC``): the tile their box spans (U: key tile, T: query tile) and its row width
 DESCRIPTOR_BOXES = {"K_DESC": ("U", "BLOCK_D"), "V_DESC": ("U", "BLOCK_DV"), "Q_DESC": ("T", "BLOCK_D"),
@@ -59,7 +59,7 @@ def signature(fn, constexprs, dtype):
             box = ",".join(str(constexprs[f"{tile}{axis}"]) for axis in range(3))
             sig[name] = f"tensordesc<{dtype}[1,{box},{constexprs[width]}]>"
         elif name in POINTERS:
-            fp32 = name in ("RPB", "LSE", "DELTA", "DRPB")
+            fp32 = name in ("RPB", "LSE", "DELTA", "DRPB", "DSW")
             sig[name] = "*fp32" if fp32 else f"*{dtype}"
         elif name in FLOATS:
             sig[name] = "fp32"
@@ -145,7 +145,9 @@ def main(names):
             rows = constexprs["T0"] * constexprs["T1"] * constexprs["T2"]
             constexprs = dict(constexprs, BISECT=12, QUERY_ROWS=rows >= 64)
         if fn is kernels.na_fwd_kernel:
-            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"])
+            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], STORE_LSE=True)
+        if fn is kernels.na_bwd_dq_kernel:  # dS in window layout goes with RPB (its gradient)
+            constexprs = dict(constexprs, STORE_DS=constexprs["HAS_RPB"])
         if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):
             constexprs = dict(constexprs, HOST_DESC=name.endswith("-host"))
         if fn is not kernels.na_bwd_drpb_kernel:

@@ -251,7 +251,8 @@ def neighborhood_attention(
         and any(t is not None and t.requires_grad for t in (query, key, value, rpb)),
     )
     impl = select_backend(problem, backend)
-    out, lse = impl.attention(query, key, value, params, rpb, float(scale))
+    out, lse = impl.attention(query, key, value, params, rpb, float(scale),
+                              need_lse=return_lse or additional_keys is not None)
     if additional_keys is not None:
         out_x, lse_x = _dense_attention(query, additional_keys, additional_values, float(scale))
         out, lse = merge_attention(out, lse, out_x, lse_x)

@@ -295,6 +295,28 @@ def test_forward_large_logits(p):
     assert _rel_err(lse, ref_lse) < tol
 
 
+def test_inference_without_lse_skips_its_store(monkeypatch):
+    """A call that needs no lse (no gradient, no return_lse) launches the forward without its lse store, on the first
+    call and on the direct plan after it, and gets the oracle's output; asking for lse on the same problem gets a
+    plan that stores it.  Outputs poisoned (NaN) before the kernels run."""
+    p = _fixed((7, 9), (3, 5), rpb=True, heads=2, heads_kv=1)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    q, k, v, rpb = p.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
+    monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                  device=device))
+    launch._DIRECT.clear()
+    ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial,
+                                        p.kernel_size, p.stride, p.dilation, p.causal, rpb=rpb.double().cpu())
+    with torch.no_grad():
+        for call in range(2):  # the first call builds the direct plan, the second takes it
+            out = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), rpb=rpb, backend="fused")
+            assert _rel_err(out, ref_out) < TOL[torch.float32], call
+        assert [plan.launch.meta["STORE_LSE"] for plan in launch._DIRECT.values()] == [False]
+        out, lse = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), rpb=rpb, return_lse=True, backend="fused")
+    assert _rel_err(out, ref_out) < TOL[torch.float32] and _rel_err(lse, ref_lse) < TOL[torch.float32]
+    assert sorted(plan.launch.meta["STORE_LSE"] for plan in launch._DIRECT.values()) == [False, True]
+
+
 def test_additional_keys_merge_through_lse():
     """functional.py merges extra keys through the lse: the lse gradient path of the backward."""
     _run(_fixed((30,), 7, s=2, heads=2, heads_kv=1), torch.float32, grads=True, extra=5)

@@ -58,7 +58,7 @@ class CountingBackend:
     def debug_only(self, problem) -> bool:
         return True
 
-    def attention(self, q, k, v, params: NAParams, rpb, scale):
+    def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
         hq, hkv = q.shape[-2], v.shape[-2]
         _tally.macs[0] += na_macs(params, q.shape[0], hq, q.shape[-1], v.shape[-1])
         out = v if hq == hkv else v.repeat_interleave(hq // hkv, dim=-2)

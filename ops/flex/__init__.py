@@ -200,7 +200,7 @@ class FlexBackend:
             return "the compiled flex kernels need head dims >= 16"
         return None
 
-    def attention(self, q, k, v, params: NAParams, rpb, scale):
+    def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
         b, hq, hkv = q.shape[0], q.shape[-2], k.shape[-2]
         n = params.num_tokens
         to_bhnd = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1]).transpose(1, 2)  # noqa: E731

@@ -53,8 +53,8 @@ class FusedBackend:
         """CPU tensors run through Triton's interpreter: correct but slow, so never chosen automatically."""
         return problem.device.type != "cuda"
 
-    def attention(self, q, k, v, params: NAParams, rpb, scale):
-        return op.attention(q, k, v, params, rpb, scale)
+    def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
+        return op.attention(q, k, v, params, rpb, scale, need_lse)
 
 
 BACKEND = FusedBackend()

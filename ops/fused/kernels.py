@@ -297,7 +297,7 @@ def na_fwd_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, TMA: tl.constexpr, HOST_DESC: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (see ``_kv_sources``), else unused.
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2, ACT0, ACT1)
@@ -380,8 +380,9 @@ def na_fwd_kernel(
     o_base = b.to(tl.int64) * sob + h * soh
     tl.store(O + o_base + q_tok[:, None] * sot + offs_dv[None, :], out.to(O.dtype.element_ty),
              mask=q_ok[:, None] & dv_ok[None, :])
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    tl.store(LSE + b.to(tl.int64) * slb + q_tok * slt + h, lse.to(LSE.dtype.element_ty), mask=q_ok)
+    if STORE_LSE:  # skipped where nobody reads it (inference): 4 scattered bytes per query and head
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        tl.store(LSE + b.to(tl.int64) * slb + q_tok * slt + h, lse.to(LSE.dtype.element_ty), mask=q_ok)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -284,7 +284,7 @@ class _DirectForward:
 
     launch: _Launch
     out_shape: tuple
-    lse_shape: tuple
+    lse_shape: tuple | None  # None: the plan does not store lse (``need_lse`` False)
     rpb_direct: bool
     host_desc_layouts: tuple | None = None  # (K/V layouts,) of the host-built descriptors (rebuilt per call), if any
 
@@ -307,32 +307,35 @@ def _same_memory(pairs) -> bool:
     return all(t4.data_ptr() == t.data_ptr() and t4.dtype == t.dtype for t4, t in pairs)
 
 
-def _forward_key(q, k, v, rpb, params, scale):
+def _forward_key(q, k, v, rpb, params, scale, need_lse):
     # k / v alignment decides whether their tiles can be bulk copies (tma_eligible)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], q.dtype, q.device,
-            _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, autotune.state())
+            _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse, autotune.state())
 
 
-def forward(q, k, v, rpb, params: NAParams, scale: float):
-    """Returns ``out [B, *spatial, Hq, Dv]`` (input dtype) and ``lse [B, *spatial, Hq]`` (float32)."""
-    key = _forward_key(q, k, v, rpb, params, scale)
+def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True):
+    """Returns ``out [B, *spatial, Hq, Dv]`` (input dtype) and ``lse [B, *spatial, Hq]`` (float32), or None for
+    lse where ``need_lse`` is False (the kernel then skips its store)."""
+    key = _forward_key(q, k, v, rpb, params, scale, need_lse)
     plan = _DIRECT.get(key)
     if plan is not None:
         out = _empty(plan.out_shape, q.dtype, q.device)
-        lse = _empty(plan.lse_shape, torch.float32, q.device)
+        lse = _empty(plan.lse_shape, torch.float32, q.device) if plan.lse_shape is not None else None
         bias = (rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])) if rpb is not None else q
-        plan.launch((q, k, v, bias, out, lse, *descriptor_args(q, plan.host_desc_layouts, (k, v))))
+        plan.launch((q, k, v, bias, out, out if lse is None else lse,
+                     *descriptor_args(q, plan.host_desc_layouts, (k, v))))
         return out, lse
-    return _forward_full(q, k, v, rpb, params, scale, key)
+    return _forward_full(q, k, v, rpb, params, scale, need_lse, key)
 
 
-def _forward_full(q, k, v, rpb, params, scale, key):
+def _forward_full(q, k, v, rpb, params, scale, need_lse, key):
     """First call of a problem (or one the direct path cannot take): views, tile choice, launch."""
     b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
     d, dv = q.shape[-1], v.shape[-1]
     q4, k4, v4 = _tokens(q, n), _tokens(k, n), _tokens(v, n)
     out = _empty((b, n, hq, dv), q.dtype, q.device)
-    lse = _empty((b, n, hq), torch.float32, q.device)
+    lse = _empty((b, n, hq), torch.float32, q.device) if need_lse else None
+    lse_strides = (lse.stride(0), lse.stride(1)) if need_lse else (0, 0)
     table = _rpb_table(rpb, hq)
     has_rpb = table is not None
     tma_ok = tma_eligible(k4, v4)
@@ -346,7 +349,8 @@ def _forward_full(q, k, v, rpb, params, scale, key):
         meta["FOLD_SCALE"] = scale > 0 and not has_rpb
         meta["TMA"] = launch.tma and tma_ok
         meta["HOST_DESC"] = meta["TMA"] and host_desc
-        scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), lse.stride(0), lse.stride(1),
+        meta["STORE_LSE"] = need_lse
+        scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), *lse_strides,
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
         # the host descriptors' layouts; they hold for k / v too when the direct plan below takes them (same memory)
         layouts = (host_kv_layouts(params, k4, v4, launch.inner_tile),) if meta["HOST_DESC"] else None
@@ -354,7 +358,8 @@ def _forward_full(q, k, v, rpb, params, scale, key):
 
     def run(launch: autotune.Launch, plan=None):
         programs, scalars, meta, layouts = plan or scalars_and_meta(launch)
-        tensors = (q4, k4, v4, table if has_rpb else q4, out, lse, *descriptor_args(q4, layouts, (k4, v4)))
+        tensors = (q4, k4, v4, table if has_rpb else q4, out, out if lse is None else lse,
+                   *descriptor_args(q4, layouts, (k4, v4)))
         _launch_chunks(kernels.na_fwd_kernel, programs, hq, b, tensors, scalars, meta)
 
     launch = autotune.pick("fwd", q, k, v, params, has_rpb, run, tma=tma_ok, host_descriptors=host_desc)
@@ -365,9 +370,10 @@ def _forward_full(q, k, v, rpb, params, scale, key):
         programs, scalars, meta, layouts = plan
         spatial = tuple(q.shape[1:-2])
         _DIRECT[key] = _DirectForward(_Launch(kernels.na_fwd_kernel, (programs, b * hq), scalars, meta),
-                                      (b, *spatial, hq, dv), (b, *spatial, hq), _rpb_direct(rpb), layouts)
+                                      (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
+                                      _rpb_direct(rpb), layouts)
     spatial = q.shape[1:-2]
-    return out.reshape(b, *spatial, hq, dv), lse.reshape(b, *spatial, hq)
+    return out.reshape(b, *spatial, hq, dv), None if lse is None else lse.reshape(b, *spatial, hq)
 
 
 @dataclass

@@ -128,10 +128,11 @@ def _needs_grad(q, k, v, rpb) -> bool:
         q.requires_grad or k.requires_grad or v.requires_grad or (rpb is not None and rpb.requires_grad))
 
 
-def attention(q, k, v, params: NAParams, rpb, scale: float):
+def attention(q, k, v, params: NAParams, rpb, scale: float, need_lse: bool = True):
+    """``(out, lse)``; lse is None where ``need_lse`` is False and no backward will need it."""
     if not _traced():
         if not _needs_grad(q, k, v, rpb):  # inference: no autograd node to build
-            return launch.forward(q, k, v, rpb, params, float(scale))
+            return launch.forward(q, k, v, rpb, params, float(scale), need_lse)
         return _EagerFusedNA.apply(q, k, v, rpb, params, float(scale))
     return fused_na_forward(
         q, k, v, rpb, list(params.kernel_size), list(params.stride), list(params.dilation),

@@ -62,7 +62,7 @@ class GemmBackend:
         return None
 
     @torch.compiler.disable
-    def attention(self, q, k, v, params: NAParams, rpb, scale):
+    def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
         return run_on_token_rows(Attention.apply, q, k, v, rpb, params, scale)
 
 

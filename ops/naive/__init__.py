@@ -150,7 +150,7 @@ class NaiveBackend:
     def unsupported(self, problem) -> str | None:
         return None  # any device, any dtype, every window rule
 
-    def attention(self, q, k, v, params: NAParams, rpb, scale):
+    def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
         return run_on_token_rows(_NaiveAttention.apply, q, k, v, rpb, params, scale)
 
 
