@@ -85,10 +85,6 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
 # nat-s1-rpb dK/dV 0.339 / 0.438 / 0.280, dQ 0.242 / 0.292 / 0.226; 2d-flux (121-tile loops) within 1%.
 BACKWARD_HOST_DESCRIPTORS = True
 
-# dQ storing dS in window layout (``rpb_grad``) reads K/V with pointer loads: with TMA the stores made nat-s1-rpb's
-# fwd+bwd 1.48 ms against 1.23 with pointer loads (H100, session 11, default tiles against the tuned cache's).
-DQ_TMA_WITH_WINDOW_DS = False
-
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
 # are then B operands and the kernel spills less (sm_90 report on the 3-D tile: 656 -> 168 B; dK/dV on an H100,
 # session 6: 1d-32k 3.09 -> 2.27 ms, 2d-flux 33.5 -> 30.9 ms), but smaller query tiles fall under wgmma's 64-row
@@ -475,9 +471,9 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     def dq_plan(launch):
         window, programs = _window_args(params, launch.outer_tile)
         meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb, idx64)
-        meta["STORE_DS"] = ds_window is not None
-        meta["TMA"] = launch.tma and dq_tma_ok and (DQ_TMA_WITH_WINDOW_DS or not meta["STORE_DS"])
+        meta["TMA"] = launch.tma and dq_tma_ok
         meta["HOST_DESC"] = meta["TMA"] and dq_host
+        meta["STORE_DS"] = ds_window is not None
         scalars = (*common, *_strides(dq), *(_strides(ds_window) if ds_window is not None else (0, 0, 0)), hq,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
         layouts = (host_kv_layouts(params, k4, v4, launch.inner_tile),) if meta["HOST_DESC"] else None
