@@ -422,7 +422,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     dk = _empty(k.shape, k.dtype, dev)
     dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
     table = (rpb if plan.rpb_direct else _rpb_table(rpb, hq)) if rpb is not None else q
-    ds_window = None if plan.ds_window is None else torch.empty(plan.ds_window, dtype=torch.float32, device=dev)
+    ds_window = None if plan.ds_window is None else _empty(plan.ds_window, torch.float32, dev)
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
     plan.dq((q, k, v, table, d_out, lse, delta, dq, *descriptor_args(q, plan.dq_layouts, (k, v)),
              q if ds_window is None else ds_window))
@@ -459,7 +459,8 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     # dRPB from dQ's dS in window layout where that buffer is small enough, else from the offset pass (rpb_grad)
     ds_window = None
     if has_rpb and want_drpb and rpb_grad.window_path_ok(b, hq, params):
-        ds_window = torch.empty(rpb_grad.buffer_shape(b, hq, params), dtype=torch.float32, device=q.device)
+        # every slot is written (non-causal windows are full): an allocation the tests poison, like the outputs
+        ds_window = _empty(rpb_grad.buffer_shape(b, hq, params), torch.float32, q.device)
     idx64 = needs_int64(q4, k4, v4, do4, o4, *(() if ds_window is None else (ds_window,)))  # gradients: contiguous
     # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
     # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
