@@ -16,6 +16,7 @@ used only up to ``WINDOW_BUFFER_BYTES``; larger problems keep the offset pass.
 from __future__ import annotations
 
 import functools
+import math
 import string
 
 import torch
@@ -34,7 +35,7 @@ def window_path_ok(batch: int, heads: int, params: NAParams) -> bool:
     window is full, so the kernel writes every element and the buffer needs no zeroing)."""
     if any(params.is_causal):
         return False
-    return 4 * torch.Size(buffer_shape(batch, heads, params)).numel() <= WINDOW_BUFFER_BYTES
+    return 4 * math.prod(buffer_shape(batch, heads, params)) <= WINDOW_BUFFER_BYTES
 
 
 @functools.lru_cache(maxsize=64)
