@@ -167,6 +167,7 @@ def main():
     ap.add_argument("--host-desc", action="store_true", help="descriptors built on the host (K/V; Q/dO in dK/dV)")
     ap.add_argument("--rpb", action="store_true")
     ap.add_argument("--lse", action="store_true", help="fwd: store lse (training; ops.bench's forward does not)")
+    ap.add_argument("--dump", metavar="FILE", help="also write the whole SASS listing to FILE")
     args = ap.parse_args()
 
     b, h, d, spatial, kernel_size, stride, dilation, causal = parse_problem(args.problem)
@@ -191,6 +192,9 @@ def main():
     ints = int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer)
     sass, compiled = build(fn, constexprs, ints, args.warps, args.stages, args.maxnreg, cc)
     report(sass)
+    if args.dump:
+        with open(args.dump, "w") as fh:
+            fh.write(sass)
     registers, spills, shared = resources(compiled, cc)
     fit = programs_per_sm(registers, shared, args.warps)
     print(f"registers {registers} (spills {spills} B), shared memory {shared} B: {fit['programs']} programs per SM "
