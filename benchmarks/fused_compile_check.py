@@ -145,7 +145,8 @@ def main(names):
             rows = constexprs["T0"] * constexprs["T1"] * constexprs["T2"]
             constexprs = dict(constexprs, BISECT=12, QUERY_ROWS=rows >= 64)
         if fn is kernels.na_fwd_kernel:
-            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], STORE_LSE=True)
+            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], STORE_LSE=True,
+                              MASK_IN_DOT=constexprs["ACT0"] and not constexprs["HAS_RPB"])
         if fn is kernels.na_bwd_dq_kernel:  # dS in window layout goes with RPB (its gradient)
             constexprs = dict(constexprs, STORE_DS=constexprs["HAS_RPB"])
         if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):

@@ -168,6 +168,7 @@ def main():
     ap.add_argument("--rpb", action="store_true")
     ap.add_argument("--lse", action="store_true", help="fwd: store lse (training; ops.bench's forward does not)")
     ap.add_argument("--dump", metavar="FILE", help="also write the whole SASS listing to FILE")
+    ap.add_argument("--mask-in-dot", action="store_true", help="fwd: masks as the score matmul's initial value")
     args = ap.parse_args()
 
     b, h, d, spatial, kernel_size, stride, dilation, causal = parse_problem(args.problem)
@@ -182,7 +183,8 @@ def main():
     constexprs = cc.window_constexprs(len(spatial), q_tile, kv_tile, block, block, args.rpb, pad3(causal, False))
     constexprs["TMA"] = args.tma
     if args.kernel == "fwd":
-        constexprs.update(FOLD_SCALE=not args.rpb, HOST_DESC=args.tma and args.host_desc, STORE_LSE=args.lse)
+        constexprs.update(FOLD_SCALE=not args.rpb, HOST_DESC=args.tma and args.host_desc, STORE_LSE=args.lse,
+                          MASK_IN_DOT=args.mask_in_dot and not args.rpb)
     elif args.kernel == "dq":  # with RPB, dQ stores dS in window layout for its gradient (ops/fused/rpb_grad.py)
         constexprs.update(HOST_DESC=args.tma and args.host_desc, STORE_DS=args.rpb)
     elif args.kernel == "dkdv":

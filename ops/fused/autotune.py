@@ -96,7 +96,10 @@ CANDIDATES: dict[str, list[Config]] = {
             Config(64, 32, 4, 3),
             # nat-s1 reads K/V from L2 at 84% of its throughput (ncu, session 10): 32-query one-warp tiles reach 4.4
             # keys per query against 7 for 16-query ones; (1,4,8) x (1,2,16) with TMA, 128 registers: 0.129 -> 0.125 ms
-            Config(32, 32, 1, 3, maxnreg=128)],
+            Config(32, 32, 1, 3, maxnreg=128),
+            # head dim 128, long unmasked loops (stride variants): 128 x 128 on two warpgroups at 3 stages (224 KiB of
+            # shared memory, one program per SM), 1d-32k-s256 1.179 -> 1.120 ms (session 12)
+            Config(128, 128, 8, 3)],
     "dq": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
            Config(32, 32, 4, 2), Config(128, 32, 8, 2), Config(128, 64, 8, 3), Config(64, 64, 4, 3),
            Config(64, 128, 8, 2), Config(16, 64, 1, 2), Config(16, 32, 1, 2)],

@@ -177,6 +177,17 @@ def _mask_outside(x, fill, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, i
 
 
 @triton.jit
+def _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2):
+    """[rows, keys] float32: 0 where the key lies in the row's window on every axis, else -inf.  Each axis' term takes
+    few distinct values per thread (its compares depend on one row and one key coordinate), so after ptxas shares
+    them the tile costs about two adds per element."""
+    b0 = tl.where((kj0[None, :] >= start0[:, None]) & (kj0[None, :] < stop0[:, None]), 0.0, float("-inf"))
+    b1 = tl.where((kj1[None, :] >= start1[:, None]) & (kj1[None, :] < stop1[:, None]), 0.0, float("-inf"))
+    b2 = tl.where((kj2[None, :] >= start2[:, None]) & (kj2[None, :] < stop2[:, None]), 0.0, float("-inf"))
+    return b0 + b1 + b2
+
+
+@triton.jit
 def _group_descriptor(base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, stride_token, width, heads, stride_head,
                       U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, BLOCK: tl.constexpr):
     """A TMA descriptor over one dilation group of ``heads`` consecutive heads of one batch element:
@@ -298,6 +309,7 @@ def na_fwd_kernel(
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     FOLD_SCALE: tl.constexpr, TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_LSE: tl.constexpr,
+    MASK_IN_DOT: tl.constexpr,
 ):
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (see ``_kv_sources``), else unused.
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2, ACT0, ACT1)
@@ -352,7 +364,10 @@ def na_fwd_kernel(
         kj2 = k2 + c2
         k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
-        s = tl.dot(q, tl.trans(k))
+        if MASK_IN_DOT:  # the window mask is the score matmul's initial value, on every box (see launch.py)
+            s = tl.dot(q, tl.trans(k), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2))
+        else:
+            s = tl.dot(q, tl.trans(k))
         if FOLD_SCALE:  # scale > 0, no bias: max of the raw logits, the scale folded into exp2's FMA
             s_scale = qk_scale
         else:
@@ -361,8 +376,9 @@ def na_fwd_kernel(
                 ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
                 s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
             s_scale = 1.0
-        s = _mask_outside(s, float("-inf"), k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                          start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1, False)
+        if not MASK_IN_DOT:
+            s = _mask_outside(s, float("-inf"), k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                              start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1, False)
         m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing admitted yet
         p = tl.math.exp2(s * s_scale - m_use[:, None])

@@ -9,6 +9,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import autotune, kernels, rpb_grad
+from .tiles import axes_of, partial_axes
 from ..window import NAParams
 
 # Deterministic dRPB writes one partial row per program; above this many bytes it uses atomics
@@ -84,6 +85,23 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
 # 0.295 with pointer loads, 0.327 with per-program descriptors, 0.228 with host ones; dQ 0.160 / 0.239 / 0.154;
 # nat-s1-rpb dK/dV 0.339 / 0.438 / 0.280, dQ 0.242 / 0.292 / 0.226; 2d-flux (121-tile loops) within 1%.
 BACKWARD_HOST_DESCRIPTORS = True
+
+# The forward masks key boxes through the score matmul's initial value (a 0 / -inf bias tile built on every box from
+# per-axis compares that ptxas shares across a thread's columns; 408 SASS instructions per 3d-causal step against 448)
+# where a launch's boxes are partial on at least this many axes on average; elsewhere one select per element and
+# partial axis, skipped on unmasked boxes.  3d-causal (2.9 partial axes per box): 0.3331 -> 0.3039 ms on an H100
+# (session 12, RESULTS.md); 3d-hunyuan's boxes (0.7) keep the selects (the bias there: 45.5 against 47.5 ms in three
+# noisy rounds, not concluded).
+MASK_IN_DOT_FROM = 2.0
+
+
+def mask_in_dot(params: NAParams, launch: autotune.Launch) -> bool:
+    """The forward's ``MASK_IN_DOT`` for a launch (3-D problems, see ``MASK_IN_DOT_FROM``)."""
+    if params.rank != 3:
+        return False
+    axes = axes_of(params)
+    return partial_axes(axes, launch.outer_tile, launch.inner_tile) >= MASK_IN_DOT_FROM
+
 
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
 # are then B operands and the kernel spills less (sm_90 report on the 3-D tile: 656 -> 168 B; dK/dV on an H100,
@@ -347,6 +365,7 @@ def _forward_full(q, k, v, rpb, params, scale, need_lse, key):
                            needs_int64(q4, k4, v4, out))
         # the row max is taken before scaling, which needs a positive scale
         meta["FOLD_SCALE"] = scale > 0 and not has_rpb
+        meta["MASK_IN_DOT"] = meta["FOLD_SCALE"] and mask_in_dot(params, launch)
         meta["TMA"] = launch.tma and tma_ok
         meta["HOST_DESC"] = meta["TMA"] and host_desc
         meta["STORE_LSE"] = need_lse

@@ -108,9 +108,12 @@ def pairs_computed(axes: list[Axis], outer: tuple, inner: tuple, inverse: bool =
 
 def tile_cost(axes: list[Axis], outer: tuple, inner: tuple, inverse: bool = False) -> float:
     """Pairs computed, plus ``MASK_COST`` per axis on which an inner tile needs a mask."""
-    loops = _loops(axes, outer, inner, inverse)
-    masked_axes = sum(lp.masked / lp.iterations for lp in loops if lp.iterations)
-    return pairs_computed(axes, outer, inner, inverse) * (1 + MASK_COST * masked_axes)
+    return pairs_computed(axes, outer, inner, inverse) * (1 + MASK_COST * partial_axes(axes, outer, inner, inverse))
+
+
+def partial_axes(axes: list[Axis], outer: tuple, inner: tuple, inverse: bool = False) -> float:
+    """Axes on which an inner tile needs a mask, on average over the loops' tiles (0 to the rank)."""
+    return sum(lp.masked / lp.iterations for lp in _loops(axes, outer, inner, inverse) if lp.iterations)
 
 
 def loop_length(axes: list[Axis], outer: tuple, inner: tuple, inverse: bool = False) -> float:

@@ -1,0 +1,122 @@
+"""A/B of kernel source variants in one process, in alternating rounds (session 11 tool; session 12 adds --force).
+
+    python3 kernel_ab.py PROBLEM [--backward] [--rounds N] [--rep MS] [--set MOD.ATTR=VALUE]
+        [--force NAME:KERNEL=OUTER,INNER,WARPS,STAGES,TMA,MAXNREG] NAME=PATH ...
+
+Each NAME=PATH is a copy of ops/fused/kernels.py (``base`` is the checked-out one, always timed first); the launcher
+is pointed at each variant's module in turn, its plans cleared, and ``ops.bench``'s call of the problem timed with
+``do_bench`` (median of each round; medians over rounds reported).  Every variant's output is compared with the
+base's (max abs difference), and a variant whose output differs by more than 1e-2 is flagged.
+``--set launch.X=V`` / ``rpb_grad.X=V`` sets a module constant for variants named ``NAME@set`` (the same source);
+``--force NAME:fwd=64,64,4,2,1,128`` pins variant NAME's kernel to an ``autotune.Config`` (MAXNREG 0: none)."""
+import argparse
+import importlib.util
+import statistics
+import sys
+
+import torch
+import triton.testing
+
+sys.path.insert(0, ".")
+from ops import bench  # noqa: E402
+from ops.fused import autotune, launch, rpb_grad  # noqa: E402
+
+
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(f"ops.fused._variant_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("problem")
+    ap.add_argument("variants", nargs="*")
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rep", type=float, default=200)
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--force", action="append", default=[])
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (no timing)")
+    args = ap.parse_intermixed_args()
+    problems = {p.name: p for p in bench.standard_problems()}
+    if ":" in args.problem:
+        p = bench.parse_custom(args.problem)
+    else:
+        p = problems[args.problem]
+    base = launch.kernels
+    mods = {"base": (base, {})}
+    for item in args.variants:
+        name, path = item.split("=", 1)
+        sets = {}
+        if name.endswith("@set"):
+            for s in args.set:
+                key, value = s.split("=", 1)
+                sets[key] = eval(value)  # noqa: S307  (experiment script: literal values)
+        mods[name] = (base if path == "base" else load(name, path), sets)
+    forced = {}
+    for item in args.force:
+        name, spec = item.split(":", 1)
+        kernel, values = spec.split("=", 1)
+        o, i, w, st, tma, reg = (int(x) for x in values.split(","))
+        forced.setdefault(name, {})[kernel] = autotune.Config(o, i, w, st, bool(tma), reg or None)
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    q, k, v, rpb = p.random_inputs(args.device, dtype, gen, requires_grad=args.backward)
+    d_out = torch.randn_like(q) if args.backward else None
+    modules = {"launch": launch, "rpb_grad": rpb_grad}
+
+    def activate(name):
+        mod, sets = mods[name]
+        launch.kernels = mod
+        autotune._forced.clear()
+        autotune._forced.update(forced.get(name, {}))
+        for key, value in sets.items():
+            m, attr = key.split(".")
+            setattr(modules[m], attr, value)
+        launch._DIRECT.clear()
+        launch._BACKWARD.clear()
+        launch._PLANS.clear()
+
+    def deactivate(name):
+        autotune._forced.clear()
+        for key in mods[name][1]:
+            m, attr = key.split(".")
+            setattr(modules[m], attr, defaults[key])
+
+    defaults = {s.split("=")[0]: getattr(modules[s.split(".")[0]], s.split("=")[0].split(".")[1]) for s in args.set}
+    fns, outs = {}, {}
+    for name in mods:
+        activate(name)
+        _, fn = bench._backend_call(p, "fused", q, k, v, rpb, d_out)
+        leaves = [None if t is None else t.detach().requires_grad_(args.backward) for t in (q, k, v, rpb)]
+        out = p.attention(*leaves, "fused")
+        if args.backward:
+            grads = torch.autograd.grad(out, [t for t in leaves if t is not None], d_out)
+            outs[name] = (out.detach().float(), *(g.float() for g in grads))
+        else:
+            outs[name] = (out.float(),)
+        fns[name] = fn
+        deactivate(name)
+    for name in mods:
+        diff = max((a - b).abs().max().item() for a, b in zip(outs[name], outs["base"]))
+        print(f"{name}: max |out - base| = {diff:.3g}{'  DIFFERS' if diff > 1e-2 else ''}")
+    if args.device != "cuda":
+        return
+    times = {name: [] for name in mods}
+    for _ in range(args.rounds):
+        for name in mods:
+            activate(name)
+            fns[name]()  # rebuild the plans of this variant
+            times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=args.rep, return_mode="median"))
+            deactivate(name)
+    print(f"| problem | variant | ms (median of {args.rounds}) | rounds |")
+    print("|---|---|---|---|")
+    for name, t in times.items():
+        print(f"| {p.name}{' fwd+bwd' if args.backward else ''} | {name} | {statistics.median(t):.4f} | "
+              f"{' '.join(f'{x:.4f}' for x in t)} |")
+
+
+if __name__ == "__main__":
+    main()
