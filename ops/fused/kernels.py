@@ -177,14 +177,16 @@ def _mask_outside(x, fill, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, i
 
 
 @triton.jit
-def _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2):
-    """[rows, keys] float32: 0 where the key lies in the row's window on every axis, else -inf.  Each axis' term takes
-    few distinct values per thread (its compares depend on one row and one key coordinate), so after ptxas shares
-    them the tile costs about two adds per element."""
-    b0 = tl.where((kj0[None, :] >= start0[:, None]) & (kj0[None, :] < stop0[:, None]), 0.0, float("-inf"))
-    b1 = tl.where((kj1[None, :] >= start1[:, None]) & (kj1[None, :] < stop1[:, None]), 0.0, float("-inf"))
-    b2 = tl.where((kj2[None, :] >= start2[:, None]) & (kj2[None, :] < stop2[:, None]), 0.0, float("-inf"))
-    return b0 + b1 + b2
+def _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0: tl.constexpr, ACT1: tl.constexpr):
+    """[rows, keys] float32: 0 where the key lies in the row's window on every active axis, else -inf.  Each axis'
+    term depends on one row and one key coordinate, so a thread's terms take few distinct values (ptxas shares their
+    compares and the inner sums across its columns): the tile costs about one add per element and outer axis."""
+    bias = tl.where(_axis_keep(kj2, start2, stop2, False), 0.0, float("-inf"))
+    if ACT1:
+        bias = tl.where(_axis_keep(kj1, start1, stop1, False), 0.0, float("-inf")) + bias
+    if ACT0:
+        bias = tl.where(_axis_keep(kj0, start0, stop0, False), 0.0, float("-inf")) + bias
+    return bias
 
 
 @triton.jit
@@ -365,7 +367,8 @@ def na_fwd_kernel(
         k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
         if MASK_IN_DOT:  # the window mask is the score matmul's initial value, on every box (see launch.py)
-            s = tl.dot(q, tl.trans(k), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2))
+            s = tl.dot(q, tl.trans(k), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2,
+                                                           ACT0, ACT1))
         else:
             s = tl.dot(q, tl.trans(k))
         if FOLD_SCALE:  # scale > 0, no bias: max of the raw logits, the scale folded into exp2's FMA

@@ -87,20 +87,19 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
 BACKWARD_HOST_DESCRIPTORS = True
 
 # The forward masks key boxes through the score matmul's initial value (a 0 / -inf bias tile built on every box from
-# per-axis compares that ptxas shares across a thread's columns; 408 SASS instructions per 3d-causal step against 448)
-# where a launch's boxes are partial on at least this many axes on average; elsewhere one select per element and
-# partial axis, skipped on unmasked boxes.  3d-causal (2.9 partial axes per box): 0.3331 -> 0.3039 ms on an H100
-# (session 12, RESULTS.md); 3d-hunyuan's boxes (0.7) keep the selects (the bias there: 45.5 against 47.5 ms in three
-# noisy rounds, not concluded).
-MASK_IN_DOT_FROM = 2.0
+# per-axis compares that ptxas shares across a thread's columns) where a launch's boxes are partial on at least this
+# fraction of the problem's axes on average; elsewhere one select per element and partial axis, skipped on unmasked
+# boxes.  3d-causal (2.9 of 3 axes): 448 -> 400 SASS instructions per step, 0.3331 -> 0.3039 ms on an H100 (session 12,
+# RESULTS.md); 3d-hunyuan (0.7 of 3) keeps the selects (the bias there: 45.5 against 47.5 ms in three noisy rounds).
+MASK_IN_DOT_FROM = 0.5
 
 
 def mask_in_dot(params: NAParams, launch: autotune.Launch) -> bool:
-    """The forward's ``MASK_IN_DOT`` for a launch (3-D problems, see ``MASK_IN_DOT_FROM``)."""
-    if params.rank != 3:
-        return False
+    """The forward's ``MASK_IN_DOT`` for a launch (see ``MASK_IN_DOT_FROM``)."""
     axes = axes_of(params)
-    return partial_axes(axes, launch.outer_tile, launch.inner_tile) >= MASK_IN_DOT_FROM
+    pad = 3 - len(axes)
+    partial = partial_axes(axes, launch.outer_tile[pad:], launch.inner_tile[pad:])
+    return partial >= MASK_IN_DOT_FROM * len(axes)
 
 
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
