@@ -8,6 +8,7 @@ GPU float32 matmuls run in tf32 (5e-3); bfloat16 / float16 inputs 3e-2 / 1e-2.
 Every output buffer of the kernels is poisoned with NaN first (so an unwritten element fails).
 """
 import dataclasses
+import json
 import math
 import os
 import random
@@ -563,6 +564,29 @@ def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
     assert _rel_err(out, ref) < TOL[torch.float32]
 
 
+def test_autotune_cache_ignores_entries_of_other_code(tmp_path, monkeypatch):
+    """An entry tuned on other kernel / launcher sources (another ``CODE_VERSION`` in its key) is not used: the problem
+    gets the defaults-table launch, and its own entry once stored under today's version."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("NAMODELS_FUSED_CACHE", str(path))
+    monkeypatch.setattr(autotune, "_cache", None)
+    monkeypatch.setattr(autotune, "_memo", {})
+    p = _fixed((20,), 5)
+    q, k, v, _ = p.tensors(dtype=torch.float32, device=DEVICE)
+    params = NAParams((20,), (5,), (1,), (1,), (False,))
+    key = autotune.problem_key("fwd", q, k, v, params, False)
+    assert key.endswith(f"|v{autotune.CODE_VERSION}")
+    entry = {"outer_tile": [1, 1, 16], "inner_tile": [1, 1, 32], "num_warps": 2, "num_stages": 1}
+    path.write_text(json.dumps({key.replace(autotune.CODE_VERSION, "0" * 12): entry}))
+    default = autotune.pick("fwd", q, k, v, params, False, run=None)
+    assert default == autotune._default_launch("fwd", params, 16)
+    assert default != autotune.Launch((1, 1, 16), (1, 1, 32), 2, 1)
+    monkeypatch.setattr(autotune, "_cache", None)
+    monkeypatch.setattr(autotune, "_memo", {})
+    autotune._store(key, entry)
+    assert autotune.pick("fwd", q, k, v, params, False, run=None) == autotune.Launch((1, 1, 16), (1, 1, 32), 2, 1)
+
+
 def test_tma_launch_installs_a_scratch_allocator_in_its_thread():
     """Triton's allocator is per thread (autograd runs the backward in worker threads): a launch with TMA
     loads installs one in the thread that launches it, a launch without TMA leaves the thread alone."""
@@ -783,8 +807,6 @@ def test_gpu_autotune_small_problem(tmp_path, monkeypatch):
              grads=True)
     finally:
         autotune.set_autotune(None)
-    import json
-
     entries = json.loads((tmp_path / "tune.json").read_text())
     assert {key.split("|")[0] for key in entries} == {"fwd", "dq", "dkdv"}
     assert all(entry["ms"] > 0 for entry in entries.values()) and len(timed) >= 3

@@ -9,7 +9,7 @@ Lookup order for a problem:
 
 1. the in-memory / on-disk cache (JSON at ``$NAMODELS_FUSED_CACHE``, default
    ``~/.cache/namodels/fused_tuning.json``), keyed by kernel, rank, sizes, window, dtype, head
-   dims, heads, batch, RPB and device name;
+   dims, heads, batch, RPB, device name and ``CODE_VERSION`` (entries tuned on other code are ignored);
 2. if tuning is on (``NAMODELS_FUSED_AUTOTUNE=1`` or ``set_autotune(True)``) and the inputs are on
    a GPU: time every candidate of the kernel on the real inputs (median of
    CUDA-graph replays, so small kernels are not timed at the host's launch speed), keep the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -114,6 +115,21 @@ CANDIDATES: dict[str, list[Config]] = {
 for _kernel in ("fwd", "dq", "dkdv"):
     CANDIDATES[_kernel] += [dataclasses.replace(c, tma=True) for c in CANDIDATES[_kernel]]
 
+
+
+def _code_version() -> str:
+    """Hash of the sources that decide what a tuned entry ran: the kernels and the launcher's choices around them.
+    A cached configuration outlives the code that chose it otherwise: the session-10 cache kept RPB dQ / dK/dV
+    entries picked before the backward's host descriptors, 0.249 / 0.351 ms against 0.226 / 0.280 for the new
+    defaults (RESULTS.md, session 11), and an entry can even name tiles a later kernel no longer compiles."""
+    digest = hashlib.sha256()
+    for name in ("kernels.py", "window_jit.py", "launch.py"):
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+CODE_VERSION = _code_version()
+
 _lock = threading.Lock()
 _cache: dict[str, dict] | None = None
 _tune_override: bool | None = None
@@ -188,7 +204,7 @@ def problem_key(kernel: str, q, k, v, params, has_rpb: bool) -> str:
         for x in (
             kernel, params.rank, params.spatial, params.kernel_size, params.stride, params.dilation,
             params.is_causal, str(q.dtype).replace("torch.", ""), q.shape[-1], v.shape[-1], q.shape[-2],
-            k.shape[-2], q.shape[0], int(has_rpb), device,
+            k.shape[-2], q.shape[0], int(has_rpb), device, f"v{CODE_VERSION}",
         )
     )
 
