@@ -546,45 +546,46 @@ def test_torch_compile_fullgraph_forward_backward():
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
-    monkeypatch.setenv("NAMODELS_FUSED_CACHE", str(tmp_path / "tune.json"))
+# An unusual launch for the 1-D problem of the cache tests (not what the defaults table gives it).
+_CACHED_ENTRY = {"outer_tile": [1, 1, 16], "inner_tile": [1, 1, 32], "num_warps": 2, "num_stages": 1}
+_CACHED_LAUNCH = autotune.Launch((1, 1, 16), (1, 1, 32), 2, 1)
+
+
+@pytest.fixture
+def cache_problem(tmp_path, monkeypatch):
+    """A tuning cache file of its own (empty, nothing memoised) and a small 1-D problem: (path, q, k, v, params, key)."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("NAMODELS_FUSED_CACHE", str(path))
     monkeypatch.setattr(autotune, "_cache", None)
     monkeypatch.setattr(autotune, "_memo", {})
-    p = _fixed((20,), 5)
-    q, k, v, _ = p.tensors(dtype=torch.float32, device=DEVICE)
+    q, k, v, _ = _fixed((20,), 5).tensors(dtype=torch.float32, device=DEVICE)
     params = NAParams((20,), (5,), (1,), (1,), (False,))
-    key = autotune.problem_key("fwd", q, k, v, params, False)
-    autotune._store(key, {"outer_tile": [1, 1, 16], "inner_tile": [1, 1, 32], "num_warps": 2, "num_stages": 1})
+    return path, q, k, v, params, autotune.problem_key("fwd", q, k, v, params, False)
+
+
+def test_autotune_cache_roundtrip(cache_problem, monkeypatch):
+    _, q, k, v, params, key = cache_problem
+    autotune._store(key, _CACHED_ENTRY)
     monkeypatch.setattr(autotune, "_cache", None)  # force a reload from disk
-    got = autotune.pick("fwd", q, k, v, params, False, run=None)
-    assert got == autotune.Launch((1, 1, 16), (1, 1, 32), 2, 1)
+    assert autotune.pick("fwd", q, k, v, params, False, run=None) == _CACHED_LAUNCH
     out = ops.na1d(q, k, v, 5, backend="fused")  # runs with the cached (unusual) tiles
     ref, _ = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), (20,), (5,), (1,), (1,),
                               (False,))
     assert _rel_err(out, ref) < TOL[torch.float32]
 
 
-def test_autotune_cache_ignores_entries_of_other_code(tmp_path, monkeypatch):
+def test_autotune_cache_ignores_entries_of_other_code(cache_problem, monkeypatch):
     """An entry tuned on other kernel / launcher sources (another ``CODE_VERSION`` in its key) is not used: the problem
     gets the defaults-table launch, and its own entry once stored under today's version."""
-    path = tmp_path / "tune.json"
-    monkeypatch.setenv("NAMODELS_FUSED_CACHE", str(path))
-    monkeypatch.setattr(autotune, "_cache", None)
-    monkeypatch.setattr(autotune, "_memo", {})
-    p = _fixed((20,), 5)
-    q, k, v, _ = p.tensors(dtype=torch.float32, device=DEVICE)
-    params = NAParams((20,), (5,), (1,), (1,), (False,))
-    key = autotune.problem_key("fwd", q, k, v, params, False)
+    path, q, k, v, params, key = cache_problem
     assert key.endswith(f"|v{autotune.CODE_VERSION}")
-    entry = {"outer_tile": [1, 1, 16], "inner_tile": [1, 1, 32], "num_warps": 2, "num_stages": 1}
-    path.write_text(json.dumps({key.replace(autotune.CODE_VERSION, "0" * 12): entry}))
+    path.write_text(json.dumps({key.replace(autotune.CODE_VERSION, "0" * 12): _CACHED_ENTRY}))
     default = autotune.pick("fwd", q, k, v, params, False, run=None)
-    assert default == autotune._default_launch("fwd", params, 16)
-    assert default != autotune.Launch((1, 1, 16), (1, 1, 32), 2, 1)
+    assert default == autotune._default_launch("fwd", params, 16) != _CACHED_LAUNCH
     monkeypatch.setattr(autotune, "_cache", None)
     monkeypatch.setattr(autotune, "_memo", {})
-    autotune._store(key, entry)
-    assert autotune.pick("fwd", q, k, v, params, False, run=None) == autotune.Launch((1, 1, 16), (1, 1, 32), 2, 1)
+    autotune._store(key, _CACHED_ENTRY)
+    assert autotune.pick("fwd", q, k, v, params, False, run=None) == _CACHED_LAUNCH
 
 
 def test_tma_launch_installs_a_scratch_allocator_in_its_thread():

@@ -6,7 +6,7 @@ S=benchmarks/results/session11
 cp .ab/tune_s10c5.json /tmp/cache.json; export NAMODELS_FUSED_CACHE=/tmp/cache.json
 python3 $S/no_lse_variant.py ops/fused/kernels.py /tmp/k_nolse.py
 for p in nat-s1 dinat-s1 nat-s3; do
-  timeout 100 python3 $S/kernel_ab.py $p --rounds 9 --rep 300 nolse=/tmp/k_nolse.py >> $OUT/c3_ab.txt 2>&1
+  timeout 100 python3 benchmarks/kernel_ab.py $p --rounds 9 --rep 300 nolse=/tmp/k_nolse.py >> $OUT/c3_ab.txt 2>&1
   echo "$p rc=$? $(( $(date +%s)-T0 ))s"
 done
 grep -E "^\| [a-z]|DIFF|Error" $OUT/c3_ab.txt

@@ -5,7 +5,7 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 S=benchmarks/results/session11
 export NAMODELS_FUSED_CACHE=/tmp/none.json
-timeout 100 python3 $S/kernel_ab.py nat-s1-rpb --backward --rounds 5 dqtma@set=base \
+timeout 100 python3 benchmarks/kernel_ab.py nat-s1-rpb --backward --rounds 5 dqtma@set=base \
   --set launch.DQ_TMA_WITH_WINDOW_DS=True > $OUT/c7_ab.txt 2>&1
 echo "ab rc=$? $(( $(date +%s)-T0 ))s"; grep -E "^\| [a-z]|DIFF|Error" $OUT/c7_ab.txt
 timeout 60 python3 $S/profile_rpb.py nat-s1-rpb > $OUT/c7_profile.txt 2>&1

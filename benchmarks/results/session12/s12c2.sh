@@ -7,7 +7,7 @@ T0=$(date +%s)
 S=benchmarks/results/session12
 cp .ab/tune_s10c5.json /tmp/cache.json; export NAMODELS_FUSED_CACHE=/tmp/cache.json
 for P in 2d-flux-s16 3d-hunyuan-s16x8x8; do
-  timeout 100 python3 $S/kernel_ab.py $P --rounds 5 --rep 300 t128=base --force "t128:fwd=128,128,8,3,1,0" >> $OUT/c2_ab.txt 2>&1
+  timeout 100 python3 benchmarks/kernel_ab.py $P --rounds 5 --rep 300 t128=base --force "t128:fwd=128,128,8,3,1,0" >> $OUT/c2_ab.txt 2>&1
   echo "$P rc=$? $(( $(date +%s)-T0 ))s"
 done
 grep -E "^\| [0-9]|DIFF|Error|max" $OUT/c2_ab.txt

@@ -6,7 +6,7 @@ T0=$(date +%s)
 S=benchmarks/results/session12
 cp .ab/tune_s12_128.json /tmp/cache.json; export NAMODELS_FUSED_CACHE=/tmp/cache.json
 for P in nat-s1 nat-s3 3d-causal; do
-  timeout 100 python3 $S/kernel_ab.py $P --rounds 9 --rep 300 sel@set=base --set "launch.MASK_IN_DOT_FROM=float('inf')" >> $OUT/c3_ab.txt 2>&1
+  timeout 100 python3 benchmarks/kernel_ab.py $P --rounds 9 --rep 300 sel@set=base --set "launch.MASK_IN_DOT_FROM=float('inf')" >> $OUT/c3_ab.txt 2>&1
   echo "$P rc=$? $(( $(date +%s)-T0 ))s"
 done
 grep -E "^\| [0-9a-z]|DIFF|Error|max" $OUT/c3_ab.txt

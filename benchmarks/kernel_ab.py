@@ -1,12 +1,15 @@
-"""A/B of kernel source variants in one process, in alternating rounds (session 11 experiments).
+"""A/B of fused-kernel variants in one process, in alternating rounds (run from the repository root).
 
-    python3 kernel_ab.py PROBLEM [--backward] [--rounds N] [--rep MS] [--set MOD.ATTR=VALUE] NAME=PATH ...
+    python3 benchmarks/kernel_ab.py PROBLEM [--backward] [--rounds N] [--rep MS] [--set MOD.ATTR=VALUE]
+        [--force NAME:KERNEL=OUTER,INNER,WARPS,STAGES,TMA,MAXNREG] NAME=PATH ...
 
 Each NAME=PATH is a copy of ops/fused/kernels.py (``base`` is the checked-out one, always timed first); the launcher
 is pointed at each variant's module in turn, its plans cleared, and ``ops.bench``'s call of the problem timed with
-``do_bench`` (median of each round; medians over rounds reported).  Every variant's output is compared with the
-base's (max abs difference), and a variant whose output differs by more than 1e-2 is flagged.
-``--set launch.X=V`` / ``rpb_grad.X=V`` sets a module constant for variants named ``NAME@set`` (the same source)."""
+``do_bench`` (median of each round; medians over rounds reported).  Every variant's output (and gradients with
+``--backward``) is compared with the base's (max abs difference), and one that differs by more than 1e-2 is flagged.
+``--set launch.X=V`` / ``rpb_grad.X=V`` sets a module constant for variants named ``NAME@set`` (the same source);
+``--force NAME:fwd=64,64,4,2,1,128`` pins variant NAME's kernel to an ``autotune.Config`` (MAXNREG 0: none).
+Sessions 11 and 12 ran it from their results folders (session 12 added ``--force``); RESULTS.md quotes them."""
 import argparse
 import importlib.util
 import statistics
@@ -17,7 +20,7 @@ import triton.testing
 
 sys.path.insert(0, ".")
 from ops import bench  # noqa: E402
-from ops.fused import launch, rpb_grad  # noqa: E402
+from ops.fused import autotune, launch, rpb_grad  # noqa: E402
 
 
 def load(name, path):
@@ -35,6 +38,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep", type=float, default=200)
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--force", action="append", default=[])
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (no timing)")
     args = ap.parse_intermixed_args()
     problems = {p.name: p for p in bench.standard_problems()}
@@ -52,6 +56,12 @@ def main():
                 key, value = s.split("=", 1)
                 sets[key] = eval(value)  # noqa: S307  (experiment script: literal values)
         mods[name] = (base if path == "base" else load(name, path), sets)
+    forced = {}
+    for item in args.force:
+        name, spec = item.split(":", 1)
+        kernel, values = spec.split("=", 1)
+        o, i, w, st, tma, reg = (int(x) for x in values.split(","))
+        forced.setdefault(name, {})[kernel] = autotune.Config(o, i, w, st, bool(tma), reg or None)
     gen = torch.Generator(device=args.device).manual_seed(0)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     q, k, v, rpb = p.random_inputs(args.device, dtype, gen, requires_grad=args.backward)
@@ -61,6 +71,8 @@ def main():
     def activate(name):
         mod, sets = mods[name]
         launch.kernels = mod
+        autotune._forced.clear()
+        autotune._forced.update(forced.get(name, {}))
         for key, value in sets.items():
             m, attr = key.split(".")
             setattr(modules[m], attr, value)
@@ -69,6 +81,7 @@ def main():
         launch._PLANS.clear()
 
     def deactivate(name):
+        autotune._forced.clear()
         for key in mods[name][1]:
             m, attr = key.split(".")
             setattr(modules[m], attr, defaults[key])
