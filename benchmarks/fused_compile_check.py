@@ -145,10 +145,13 @@ def main(names):
             rows = constexprs["T0"] * constexprs["T1"] * constexprs["T2"]
             constexprs = dict(constexprs, BISECT=12, QUERY_ROWS=rows >= 64)
         if fn is kernels.na_fwd_kernel:
-            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], STORE_LSE=True,
-                              MASK_IN_DOT=constexprs["ACT0"] and not constexprs["HAS_RPB"])
+            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], STORE_LSE=True)
         if fn is kernels.na_bwd_dq_kernel:  # dS in window layout goes with RPB (its gradient)
             constexprs = dict(constexprs, STORE_DS=constexprs["HAS_RPB"])
+        if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):
+            # the mask as the score dot's initial value in the 3-D cases (the forward only without RPB)
+            constexprs = dict(constexprs, MASK_IN_DOT=constexprs["ACT0"] and not (
+                fn is kernels.na_fwd_kernel and constexprs["HAS_RPB"]))
         if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):
             constexprs = dict(constexprs, HOST_DESC=name.endswith("-host"))
         if fn is not kernels.na_bwd_drpb_kernel:

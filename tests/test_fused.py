@@ -305,20 +305,28 @@ def test_forward_large_logits(p):
 
 
 @pytest.mark.parametrize("mask_in_dot", [False, True], ids=["select-masks", "mask-in-dot"])
-def test_forward_mask_paths(monkeypatch, mask_in_dot):
-    """Both forward masks (a select per partial axis, or the window mask as the score matmul's initial value,
-    ``launch.MASK_IN_DOT_FROM``) against the oracle on boxes partial on one to three axes (1-D / 2-D / 3-D, causal,
-    stride, dilation, GQA, odd sizes); the forward runs through the kernel flag the test asks for."""
+def test_mask_paths(monkeypatch, mask_in_dot):
+    """Both ways every kernel masks a key box (a select per partial axis, or the window mask as the score matmul's
+    initial value, ``launch.MASK_IN_DOT_FROM``), outputs and gradients against the oracle on boxes partial on one to
+    three axes: 1-D / 2-D / 3-D, causal, stride, dilation, GQA, RPB (whose forward keeps the selects), odd sizes, and
+    both dK/dV orientations (16-query tiles: keys as rows; 64-query tiles: queries as rows)."""
     monkeypatch.setattr(launch, "MASK_IN_DOT_FROM", 0.0 if mask_in_dot else float("inf"))
     launch._DIRECT.clear()
-    cfg = Config(16, 16, 4, 1)
-    with autotune.forced(fwd=cfg):
-        _run(_fixed((5, 7, 9), (3, 5, 3), s=(1, 2, 1), d=(1, 1, 2), c=(True, False, False)), torch.float32)
-        _run(_fixed((6, 6, 10), (5, 3, 7), heads=4, heads_kv=2, batch=2), torch.float32)
-        _run(_fixed((9, 13), (5, 3), s=(2, 1), d=(1, 2), c=(False, True)), torch.float32)
-        _run(_fixed((37,), (7,), s=(3,), c=(True,)), torch.float32)
-    flags = {plan.launch.meta["MASK_IN_DOT"] for plan in launch._DIRECT.values()}
-    assert flags == {mask_in_dot}
+    launch._BACKWARD.clear()
+    small = Config(16, 16, 4, 1)
+    with autotune.forced(fwd=small, dq=small, dkdv=small):
+        _run(_fixed((5, 7, 9), (3, 5, 3), s=(1, 2, 1), d=(1, 1, 2), c=(True, False, False)), torch.float32, grads=True)
+        _run(_fixed((9, 13), (5, 3), s=(2, 1), d=(1, 2), c=(False, True)), torch.float32, grads=True)
+        _run(_fixed((7, 11), (5, 3), d=(1, 2), rpb=True), torch.float32, grads=True)
+        _run(_fixed((37,), (7,), s=(3,), c=(True,)), torch.float32, grads=True)
+    with autotune.forced(fwd=small, dq=small, dkdv=Config(16, 64, 4, 1)):
+        _run(_fixed((6, 6, 10), (5, 3, 7), heads=4, heads_kv=2, batch=2), torch.float32, grads=True)
+    forward = {plan.launch.meta["MASK_IN_DOT"] for plan in launch._DIRECT.values() if not plan.launch.meta["HAS_RPB"]}
+    backward = {plan.dq.meta["MASK_IN_DOT"] for plan in launch._BACKWARD.values()}
+    backward |= {plan.dkdv.meta["MASK_IN_DOT"] for plan in launch._BACKWARD.values()}
+    rows = {plan.dkdv.meta["QUERY_ROWS"] for plan in launch._BACKWARD.values()}
+    assert forward == backward == {mask_in_dot} and rows == {False, True}
+    assert len(launch._BACKWARD) == 5
 
 
 def test_inference_without_lse_skips_its_store():

@@ -177,15 +177,17 @@ def _mask_outside(x, fill, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, i
 
 
 @triton.jit
-def _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0: tl.constexpr, ACT1: tl.constexpr):
-    """[rows, keys] float32: 0 where the key lies in the row's window on every active axis, else -inf.  Each axis'
+def _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0: tl.constexpr, ACT1: tl.constexpr,
+                 TRANSPOSED: tl.constexpr):
+    """[rows, keys] (or [keys, rows] when ``TRANSPOSED``) float32: 0 where the key lies in the row's window on every
+    active axis, else -inf: the initial value of a score matmul whose scale is positive (``MASK_IN_DOT``).  Each axis'
     term depends on one row and one key coordinate, so a thread's terms take few distinct values (ptxas shares their
     compares and the inner sums across its columns): the tile costs about one add per element and outer axis."""
-    bias = tl.where(_axis_keep(kj2, start2, stop2, False), 0.0, float("-inf"))
+    bias = tl.where(_axis_keep(kj2, start2, stop2, TRANSPOSED), 0.0, float("-inf"))
     if ACT1:
-        bias = tl.where(_axis_keep(kj1, start1, stop1, False), 0.0, float("-inf")) + bias
+        bias = tl.where(_axis_keep(kj1, start1, stop1, TRANSPOSED), 0.0, float("-inf")) + bias
     if ACT0:
-        bias = tl.where(_axis_keep(kj0, start0, stop0, False), 0.0, float("-inf")) + bias
+        bias = tl.where(_axis_keep(kj0, start0, stop0, TRANSPOSED), 0.0, float("-inf")) + bias
     return bias
 
 
@@ -271,16 +273,22 @@ def _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2):
 def _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
                       in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2, stop2,
                       U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, ACT0: tl.constexpr, ACT1: tl.constexpr,
-                      HAS_RPB: tl.constexpr):
+                      HAS_RPB: tl.constexpr, MASK_IN_DOT: tl.constexpr):
     """The backward's [queries, keys] probabilities, recomputed from the forward's lse (base 2), zero
-    outside each query's window."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    outside each query's window (``MASK_IN_DOT``: through the score matmul's initial value, ``qk_scale`` > 0)."""
+    if MASK_IN_DOT:
+        s = tl.dot(q, tl.trans(k), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1,
+                                                False)) * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
     if HAS_RPB:
         ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
         s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
     p = tl.math.exp2(s - lse2[:, None])
-    return _mask_outside(p, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                         start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1, False)
+    if not MASK_IN_DOT:
+        p = _mask_outside(p, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                          start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1, False)
+    return p
 
 
 @triton.jit
@@ -368,7 +376,7 @@ def na_fwd_kernel(
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
         if MASK_IN_DOT:  # the window mask is the score matmul's initial value, on every box (see launch.py)
             s = tl.dot(q, tl.trans(k), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2,
-                                                           ACT0, ACT1))
+                                                           ACT0, ACT1, False))
         else:
             s = tl.dot(q, tl.trans(k))
         if FOLD_SCALE:  # scale > 0, no bias: max of the raw logits, the scale folded into exp2's FMA
@@ -444,7 +452,7 @@ def na_bwd_dq_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
-    TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_DS: tl.constexpr,
+    TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_DS: tl.constexpr, MASK_IN_DOT: tl.constexpr,
 ):
     # lse and delta share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (as in the forward), else unused.
@@ -508,7 +516,7 @@ def na_bwd_dq_kernel(
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
         p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
                               in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
-                              stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB)
+                              stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         if STORE_DS:
@@ -538,6 +546,7 @@ def na_bwd_dkdv_kernel(
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     BISECT: tl.constexpr, TMA: tl.constexpr, QUERY_ROWS: tl.constexpr, HOST_DESC: tl.constexpr,
+    MASK_IN_DOT: tl.constexpr,
 ):
     # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
     # dK/dV have their own strides (k/v may be strided views).  GQA: the query heads of this kv head are
@@ -648,7 +657,7 @@ def na_bwd_dkdv_kernel(
             # memory for the whole loop; p and ds go to the dV / dK matmuls transposed.
             p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
                                   in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
-                                  stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB)
+                                  stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
@@ -657,15 +666,20 @@ def na_bwd_dkdv_kernel(
             # [keys, queries]: k and v are A operands (read from shared memory), p and ds stay in registers as
             # the A operands of the dV / dK matmuls; a query tile of fewer than 64 rows still fills wgmma's
             # 64-row minimum here, because the keys are the rows.
-            st = tl.dot(k, tl.trans(q)) * qk_scale
+            if MASK_IN_DOT:
+                st = tl.dot(k, tl.trans(q), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2,
+                                                         ACT0, ACT1, True)) * qk_scale
+            else:
+                st = tl.dot(k, tl.trans(q)) * qk_scale
             if HAS_RPB:
                 ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
                 bias = tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx)
                 st += tl.trans(bias) * 1.4426950408889634
             pt = tl.math.exp2(st - lse2[None, :])
-            pt = _mask_outside(pt, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                               start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1,
-                               True)
+            if not MASK_IN_DOT:
+                pt = _mask_outside(pt, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                                   start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1,
+                                   True)
             dv += tl.dot(pt.to(do.dtype), do)
             dpt = tl.dot(v, tl.trans(do))
             dst = pt * (dpt - delta[None, :])

@@ -86,20 +86,23 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
 # nat-s1-rpb dK/dV 0.339 / 0.438 / 0.280, dQ 0.242 / 0.292 / 0.226; 2d-flux (121-tile loops) within 1%.
 BACKWARD_HOST_DESCRIPTORS = True
 
-# The forward masks key boxes through the score matmul's initial value (a 0 / -inf bias tile built on every box from
+# The kernels mask key boxes through the score matmul's initial value (a 0 / -inf bias tile built on every box from
 # per-axis compares that ptxas shares across a thread's columns) where a launch's boxes are partial on at least this
 # fraction of the problem's axes on average; elsewhere one select per element and partial axis, skipped on unmasked
-# boxes.  3d-causal (2.9 of 3 axes): 448 -> 400 SASS instructions per step, 0.3331 -> 0.3039 ms on an H100 (session 12,
-# RESULTS.md); 3d-hunyuan (0.7 of 3) keeps the selects (the bias there: 45.5 against 47.5 ms in three noisy rounds).
+# boxes.  On an H100 (session 12, RESULTS.md): 3d-causal (2.9 of 3 axes) forward 448 -> 400 SASS instructions per
+# step, 0.3331 -> 0.3039 ms, fwd+bwd 1.840 -> 1.721 ms; nat-s1 forward 0.1246 -> 0.1167 ms; nat-s1-rpb fwd+bwd 0.5%
+# slower (1.156 -> 1.162).  3d-hunyuan (0.7 of 3) keeps the selects (the bias on every box there: 45.2-45.5 against
+# 47.5 ms in two calls, inside the rounds' spread).
 MASK_IN_DOT_FROM = 0.5
 
 
-def mask_in_dot(params: NAParams, launch: autotune.Launch) -> bool:
-    """The forward's ``MASK_IN_DOT`` for a launch (see ``MASK_IN_DOT_FROM``)."""
+def mask_in_dot(params: NAParams, launch: autotune.Launch, scale: float, inverse: bool = False) -> bool:
+    """A kernel's ``MASK_IN_DOT`` for a launch (see ``MASK_IN_DOT_FROM``; ``inverse``: dK/dV, whose outer tiles are
+    keys).  Needs a positive scale: the scores are scaled after the matmul, and -inf must stay -inf."""
     axes = axes_of(params)
     pad = 3 - len(axes)
-    partial = partial_axes(axes, launch.outer_tile[pad:], launch.inner_tile[pad:])
-    return partial >= MASK_IN_DOT_FROM * len(axes)
+    partial = partial_axes(axes, launch.outer_tile[pad:], launch.inner_tile[pad:], inverse)
+    return scale > 0 and partial >= MASK_IN_DOT_FROM * len(axes)
 
 
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
@@ -364,7 +367,7 @@ def _forward_full(q, k, v, rpb, params, scale, need_lse, key):
                            needs_int64(q4, k4, v4, out))
         # the row max is taken before scaling, which needs a positive scale
         meta["FOLD_SCALE"] = scale > 0 and not has_rpb
-        meta["MASK_IN_DOT"] = meta["FOLD_SCALE"] and mask_in_dot(params, launch)
+        meta["MASK_IN_DOT"] = meta["FOLD_SCALE"] and mask_in_dot(params, launch, scale)
         meta["TMA"] = launch.tma and tma_ok
         meta["HOST_DESC"] = meta["TMA"] and host_desc
         meta["STORE_LSE"] = need_lse
@@ -493,6 +496,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         meta["TMA"] = launch.tma and dq_tma_ok
         meta["HOST_DESC"] = meta["TMA"] and dq_host
         meta["STORE_DS"] = ds_window is not None
+        meta["MASK_IN_DOT"] = mask_in_dot(params, launch, scale)
         scalars = (*common, *_strides(dq), *(_strides(ds_window) if ds_window is not None else (0, 0, 0)), hq,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
         layouts = (host_kv_layouts(params, k4, v4, launch.inner_tile),) if meta["HOST_DESC"] else None
@@ -512,6 +516,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         meta["TMA"] = launch.tma and dkdv_tma_ok
         meta["QUERY_ROWS"] = math.prod(launch.inner_tile) >= DKDV_QUERY_ROWS_FROM
         meta["HOST_DESC"] = meta["TMA"] and dkdv_host
+        meta["MASK_IN_DOT"] = mask_in_dot(params, launch, scale, inverse=True)
         scalars = (*common, *_strides(dk), *_strides(dvv), hkv, hq // hkv, d, dv, scale * kernels.LOG2E, scale,
                    *window)
         layouts = None
