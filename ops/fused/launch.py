@@ -449,14 +449,14 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
              q if ds_window is None else ds_window))
     plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv,
                *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out))))
-    drpb = None
+    total = None
     if ds_window is not None:
-        drpb = rpb_grad.reduce_window_ds(ds_window, plan.params).reshape(rpb.shape).to(rpb.dtype)
+        total = rpb_grad.reduce_window_ds(ds_window, plan.params)
     elif plan.drpb is not None:
         partial = torch.zeros(plan.drpb_buffer, dtype=torch.float32, device=dev)
         plan.drpb((q, k, v, table, d_out, lse, delta, partial))
-        drpb = _drpb_total(partial, plan.drpb_atomic).reshape(rpb.shape).to(rpb.dtype)
-    return dq, dk, dvv, drpb
+        total = _drpb_total(partial, plan.drpb_atomic)
+    return dq, dk, dvv, _as_rpb_grad(total, rpb)
 
 
 def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, key):
@@ -538,15 +538,16 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok, host_descriptors=dkdv_host)
     dkdv_args = _plan(("dkdv", launch, *shapes), lambda: dkdv_plan(launch))
     run_dkdv(launch, dkdv_args)
-    drpb = drpb_launch = drpb_partial = None
+    total = drpb_launch = drpb_partial = None
     if ds_window is not None:
-        drpb = rpb_grad.reduce_window_ds(ds_window, params).reshape(rpb.shape).to(rpb.dtype)
+        total = rpb_grad.reduce_window_ds(ds_window, params)
     elif has_rpb and want_drpb:
         drpb_launch, drpb_partial, atomic = _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic,
                                                          q, k, v, idx64)
         _launch_chunks(kernels.na_bwd_drpb_kernel, drpb_launch.grid[0], hq, b,
                        (q4, k4, v4, table, do4, lse3, delta, drpb_partial), drpb_launch.scalars, drpb_launch.meta)
-        drpb = _drpb_total(drpb_partial, atomic).reshape(rpb.shape).to(rpb.dtype)
+        total = _drpb_total(drpb_partial, atomic)
+    drpb = _as_rpb_grad(total, rpb)
     pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
     if d_lse is not None:
         pairs += ((dlse, d_lse),)
@@ -611,3 +612,8 @@ def _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic, q, k, 
 def _drpb_total(partial, atomic: bool):
     """dRPB [Hq, R]: the atomic accumulator as it is, or the per-program rows summed (deterministic)."""
     return partial if atomic else partial.sum(dim=(0, 2))
+
+
+def _as_rpb_grad(total, rpb):
+    """The float32 dRPB sum of either path in the shape and dtype of ``rpb``; None where none was computed."""
+    return None if total is None else total.reshape(rpb.shape).to(rpb.dtype)
