@@ -564,7 +564,8 @@ _CACHED_LAUNCH = autotune.Launch((1, 1, 16), (1, 1, 32), 2, 1)
 
 @pytest.fixture
 def cache_problem(tmp_path, monkeypatch):
-    """A tuning cache file of its own (empty, nothing memoised) and a small 1-D problem: (path, q, k, v, params, key)."""
+    """A tuning cache file of its own (empty, nothing memoised) and a small 1-D problem:
+    (path, q, k, v, params, key)."""
     path = tmp_path / "tune.json"
     monkeypatch.setenv("NAMODELS_FUSED_CACHE", str(path))
     monkeypatch.setattr(autotune, "_cache", None)

@@ -116,7 +116,6 @@ for _kernel in ("fwd", "dq", "dkdv"):
     CANDIDATES[_kernel] += [dataclasses.replace(c, tma=True) for c in CANDIDATES[_kernel]]
 
 
-
 def _code_version() -> str:
     """Hash of the sources that decide what a tuned entry ran: the kernels and the launcher's choices around them.
     A cached configuration outlives the code that chose it otherwise: the session-10 cache kept RPB dQ / dK/dV
