@@ -1,7 +1,9 @@
 """Copies a tuning cache written before session 12's ``autotune.CODE_VERSION`` key field (or under another version) to
 today's version, so that the session's benchmark runs keep choices that were re-checked on the GPU.
 
-    python3 rekey_cache.py SRC DST
+    python3 rekey_cache.py SRC [SRC ...] DST
+
+Several sources are merged, later ones winning on equal keys.
 
 Drops the RPB backward entries (dQ / dK/dV with RPB), which session 11 found stale (chosen before the backward's
 host descriptors).  The forward entries of session 10's tuner and the three stride entries set by hand in session 12
@@ -12,8 +14,10 @@ import sys
 sys.path.insert(0, ".")
 from ops.fused import autotune  # noqa: E402
 
-src, dst = sys.argv[1:]
-entries = json.load(open(src))
+*sources, dst = sys.argv[1:]
+entries = {}
+for src in sources:
+    entries.update(json.load(open(src)))
 out = {}
 for key, entry in entries.items():
     fields = key.split("|")
