@@ -192,6 +192,20 @@ def _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT
 
 
 @triton.jit
+def _scores(a, b, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0: tl.constexpr, ACT1: tl.constexpr,
+            TRANSPOSED: tl.constexpr, MASK_IN_DOT: tl.constexpr):
+    """The unscaled score tile ``a @ b^T`` ([queries, keys], or [keys, queries] when ``TRANSPOSED``), started from the
+    window bias where ``MASK_IN_DOT``: then it is already -inf outside each query's window and the caller skips
+    ``_mask_outside``."""
+    if MASK_IN_DOT:
+        s = tl.dot(a, tl.trans(b), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1,
+                                                TRANSPOSED))
+    else:
+        s = tl.dot(a, tl.trans(b))
+    return s
+
+
+@triton.jit
 def _group_descriptor(base, g0, g1, g2, D0, D1, D2, L1, L2, Lg0, Lg1, Lg2, stride_token, width, heads, stride_head,
                       U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, BLOCK: tl.constexpr):
     """A TMA descriptor over one dilation group of ``heads`` consecutive heads of one batch element:
@@ -276,11 +290,8 @@ def _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2
                       HAS_RPB: tl.constexpr, MASK_IN_DOT: tl.constexpr):
     """The backward's [queries, keys] probabilities, recomputed from the forward's lse (base 2), zero
     outside each query's window (``MASK_IN_DOT``: through the score matmul's initial value, ``qk_scale`` > 0)."""
-    if MASK_IN_DOT:
-        s = tl.dot(q, tl.trans(k), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1,
-                                                False)) * qk_scale
-    else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = _scores(q, k, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, False,
+                MASK_IN_DOT) * qk_scale
     if HAS_RPB:
         ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
         s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
@@ -374,11 +385,8 @@ def na_fwd_kernel(
         kj2 = k2 + c2
         k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
-        if MASK_IN_DOT:  # the window mask is the score matmul's initial value, on every box (see launch.py)
-            s = tl.dot(q, tl.trans(k), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2,
-                                                           ACT0, ACT1, False))
-        else:
-            s = tl.dot(q, tl.trans(k))
+        # MASK_IN_DOT: the window mask is the score matmul's initial value, on every box (see launch.py)
+        s = _scores(q, k, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, False, MASK_IN_DOT)
         if FOLD_SCALE:  # scale > 0, no bias: max of the raw logits, the scale folded into exp2's FMA
             s_scale = qk_scale
         else:
@@ -666,11 +674,8 @@ def na_bwd_dkdv_kernel(
             # [keys, queries]: k and v are A operands (read from shared memory), p and ds stay in registers as
             # the A operands of the dV / dK matmuls; a query tile of fewer than 64 rows still fills wgmma's
             # 64-row minimum here, because the keys are the rows.
-            if MASK_IN_DOT:
-                st = tl.dot(k, tl.trans(q), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2,
-                                                         ACT0, ACT1, True)) * qk_scale
-            else:
-                st = tl.dot(k, tl.trans(q)) * qk_scale
+            st = _scores(k, q, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, True,
+                         MASK_IN_DOT) * qk_scale
             if HAS_RPB:
                 ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
                 bias = tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx)
