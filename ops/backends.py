@@ -12,8 +12,9 @@ A backend is a module-level object with
   says the caller will not use lse (a call without ``return_lse`` or extra keys): a backend may skip
   computing it and return ``None`` (the fused forward skips its store: nat-s1 -2%, dinat-s1 -14% on an H100).
 
-Backends are imported lazily, so a missing optional dependency (e.g. Triton) only disables the
-backend that needs it.  ``backend=None`` takes the first backend in ``PREFERENCE`` that serves the
+Every registered backend is imported once when ``ops`` is imported (``load_all``), so that code
+traced by ``torch.compile`` never meets an import (dynamo cannot trace one: each would split the
+graph); a missing optional dependency (e.g. Triton) only disables the backend that needs it.  ``backend=None`` takes the first backend in ``PREFERENCE`` that serves the
 problem; the reasons others were rejected go to the ``ops.backends`` debug log.
 """
 from __future__ import annotations
@@ -74,15 +75,22 @@ def available_backends() -> tuple[str, ...]:
 
 
 # name -> loaded backend object.  Besides saving the import per call, the cache lets
-# torch.compile(fullgraph=True) trace NA calls once a backend was loaded (dynamo cannot trace
-# importlib.import_module, but it can trace this dict lookup).
+# torch.compile(fullgraph=True) trace NA calls (dynamo cannot trace importlib.import_module, but it
+# can trace this dict lookup).
 _LOADED: dict[str, object] = {}
 
 
 def register_backend(name: str, module_path: str) -> None:
-    """Adds a backend (a module exposing ``BACKEND``) to the registry."""
+    """Adds a backend (a module exposing ``BACKEND``) to the registry and imports it."""
     _REGISTRY[name] = module_path
     _LOADED.pop(name, None)
+    load_backend(name)
+
+
+def load_all() -> None:
+    """Imports every registered backend (``import ops`` does this once)."""
+    for name in _REGISTRY:
+        load_backend(name)
 
 
 def load_backend(name: str):

@@ -50,6 +50,8 @@ def _cache_key(value):
 
 def make_params(spatial: Sequence[int], kernel_size, stride=1, dilation=1, is_causal=False) -> NAParams:
     """Validates window arguments against a spatial shape (DESIGN.md constraints)."""
+    if torch.compiler.is_compiling():  # traced once; a cache lookup would add a guard on the cache's size
+        return _validate_params(spatial, kernel_size, stride, dilation, is_causal)
     try:
         key = (tuple(spatial), _cache_key(kernel_size), _cache_key(stride), _cache_key(dilation),
                _cache_key(is_causal))
