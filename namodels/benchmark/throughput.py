@@ -43,7 +43,7 @@ from . import report
 from .flops import count_macs
 from .models import force_backend, swap_dense_attention
 from .timing import (PRECISIONS, TimingSettings, autocast, check_precision, cuda_context_ok, free_memory,
-                     median_ms, peak_memory, tf32_mode, time_steps, with_batch_decay)
+                     gpu_time_ms, median_ms, peak_memory, tf32_mode, time_steps, with_batch_decay)
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,27 @@ def _inputs(make_input, batch: int, device: torch.device, channels_last: bool) -
     return xs
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_mode(value) -> str | None:
+    """``torch.compile`` mode of a run: None (eager) for False/None/"none", "default" for True, else a mode name."""
+    if value in (None, False, "none", "eager"):
+        return None
+    if value is True:
+        return "default"
+    if value not in COMPILE_MODES:
+        raise ValueError(f"compile: expected a bool or one of {COMPILE_MODES}, got {value!r}")
+    return value
+
+
+def optimizer_kwargs(opt: str, device: torch.device) -> dict:
+    """The fastest torch implementation of the optimizer on this device, the same for every model: the
+    fused (single-kernel) Adam/AdamW on CUDA, torch's default elsewhere."""
+    fused = device.type == "cuda" and opt.lower() in ("adam", "adamw")
+    return {"fused": True} if fused else {}
+
+
 def _infer_once(model, make_input, batch, device, precision, settings, channels_last):
     inputs = _inputs(make_input, batch, device, channels_last)
     model.eval()
@@ -212,7 +233,7 @@ def _infer_once(model, make_input, batch, device, precision, settings, channels_
 
     with peak_memory(device) as mem:
         times = time_steps(step, device, settings)
-    return {"times": times, "mem": mem["mib"]}
+    return {"times": times, "mem": mem["mib"], "gpu_ms": gpu_time_ms(step, device)}
 
 
 def _train_once(model, make_input, batch, device, precision, settings, channels_last, loss_fn, opt, lr):
@@ -220,7 +241,7 @@ def _train_once(model, make_input, batch, device, precision, settings, channels_
 
     inputs = _inputs(make_input, batch, device, channels_last)
     model.train()
-    optimizer = create_optimizer_v2(model, opt=opt, lr=lr, weight_decay=0.05)
+    optimizer = create_optimizer_v2(model, opt=opt, lr=lr, weight_decay=0.05, **optimizer_kwargs(opt, device))
     scaler = torch.amp.GradScaler(device.type) if PRECISIONS[precision][0] == torch.float16 else None
 
     def step():
@@ -238,10 +259,11 @@ def _train_once(model, make_input, batch, device, precision, settings, channels_
     try:
         with peak_memory(device) as mem:
             times = time_steps(step, device, settings)
+        gpu_ms = gpu_time_ms(step, device)
     finally:
         optimizer.zero_grad(set_to_none=True)
         del optimizer
-    return {"times": times, "mem": mem["mib"]}
+    return {"times": times, "mem": mem["mib"], "gpu_ms": gpu_ms}
 
 
 def measure_throughput(
@@ -259,7 +281,7 @@ def measure_throughput(
     loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     settings: TimingSettings | None = None,
     channels_last: bool = False,
-    compile: bool = False,
+    compile: bool | str = False,
     opt: str = "adamw",
     lr: float = 1e-4,
     count_flops: bool = True,
@@ -269,19 +291,23 @@ def measure_throughput(
 
     ``backend``: an ``ops`` backend forced on every NA call of the model, ``'sdpa'`` (NA layers swapped
     for dense SDPA), or ``None`` / ``'-'`` (the model as built).  ``precision``: fp32 | tf32 | fp16 | bf16
-    (16-bit: autocast, float32 weights).  Errors are caught and reported in ``infer_error`` /
+    (16-bit: autocast, float32 weights).  ``compile``: False (eager), True (``torch.compile`` default
+    mode) or a mode name (``COMPILE_MODES``).  The optimizer is ``opt`` from timm with
+    ``optimizer_kwargs`` (fused AdamW on CUDA).  Each phase also records its GPU time per step
+    (``gpu_time_ms``).  Errors are caught and reported in ``infer_error`` /
     ``train_error`` (an OOM first retries with a smaller batch); the row's ``cuda_ok`` is False when the
     CUDA context did not survive.  ``macs`` (from :func:`namodels.benchmark.flops.count_macs` at batch 1)
     skips the FLOP count.
     """
     check_precision(precision)
     _check_backend(backend)
+    mode = compile_mode(compile)
     device = _resolve_device(device)
     settings = settings or TimingSettings()
     loss_fn = loss_fn or DefaultLoss()
     na_backend = backend if backend not in (None, NO_BACKEND, DENSE) else None
     row: dict = dict(model=name, backend=backend or NO_BACKEND, precision=precision, infer_img_size=img_size,
-                     train_img_size=img_size if train else None, channels_last=channels_last, compile=compile,
+                     train_img_size=img_size if train else None, channels_last=channels_last, compile=mode or False,
                      device=_device_name(device))
     model = build_model(model_factory, device, backend, channels_last)
     row["param_count"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 2)
@@ -290,7 +316,7 @@ def measure_throughput(
     if macs is not None:
         row["infer_gmacs"] = round(macs["macs"] / 1e9, 6)
         row["na_gmacs"] = round(macs["na_macs"] / 1e9, 6)
-    runner = torch.compile(model) if compile else model
+    runner = torch.compile(model, mode=mode) if mode else model
     backend_ctx = force_backend(model, na_backend) if na_backend else contextlib.nullcontext()
     phases = [("infer", infer), ("train", train)]
     skip_reason = None
@@ -328,6 +354,7 @@ def measure_throughput(
                 f"{phase}_batch_size": used,
                 f"{phase}_peak_mem_mib": None if result["mem"] is None else round(result["mem"], 1),
                 f"{phase}_iters": len(result["times"]),
+                f"{phase}_gpu_ms": None if result["gpu_ms"] is None else round(result["gpu_ms"], 3),
             })
             free_memory()
     del runner, model
@@ -360,7 +387,7 @@ class BenchOptions:
     infer: bool = True
     train: bool = True
     channels_last: bool = False
-    compile: bool = False
+    compile: bool | str = False             # False, True (default mode) or a COMPILE_MODES name
     opt: str = "adamw"
     lr: float = 1e-4
     device: str = "auto"
@@ -583,7 +610,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-gc", action="store_true", help="leave Python's garbage collector on while timing")
     p.add_argument("--no-infer", action="store_true")
     p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
+                   help="torch.compile the model, in this mode (default: 'default')")
     p.add_argument("--opt", default="adamw")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--device", default="auto")
@@ -608,7 +636,7 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
     return BenchOptions(
         models=args.models, backends=args.backends, precisions=args.precisions, batch_size=args.batch,
         img_size=args.img_size, frames=args.frames, infer=not args.no_infer, train=not args.no_train,
-        channels_last=args.channels_last, compile=args.compile, opt=args.opt, lr=args.lr, device=args.device,
+        channels_last=args.channels_last, compile=args.compile or False, opt=args.opt, lr=args.lr, device=args.device,
         timing=timing, deadline_s=args.deadline, resume=args.resume, chart=not args.no_chart,
         skip_dense_for_dilated=not args.keep_dense_dilated,
     )

@@ -162,6 +162,25 @@ def _timed_loop(step, device, settings: TimingSettings) -> list[float]:
     return times
 
 
+def gpu_time_ms(step: Callable[[], object], device: torch.device, steps: int = 3) -> float | None:
+    """GPU time per call of ``step``: the summed durations of the kernels, copies and fills the CUDA
+    profiler records over ``steps`` calls (kernels inside CUDA graphs included), divided by ``steps``.
+    Beside the wall-clock step time it tells a host-bound step (wall well above GPU time) from a
+    GPU-bound one.  None on devices other than CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    device_us = sum(e.self_device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return device_us / 1e3 / steps
+
+
 def median_ms(times: list[float]) -> float:
     return float(statistics.median(times))
 
