@@ -93,6 +93,11 @@ def standard_problems() -> list[BenchProblem]:
         P("nat-s1-rpb", 128, 2, 32, (56, 56), (7, 7), rpb=True),
         P("dinat-s1", 128, 2, 32, (56, 56), (7, 7), dilation=(8, 8)),
         P("nat-s3", 128, 8, 32, (14, 14), (7, 7)),
+        # NAT-Tiny's four stages as trained (batch 128, 224 px, head dim 32, 7x7, trainable RPB)
+        P("nat-tiny-1", 128, 2, 32, (56, 56), (7, 7), rpb=True),
+        P("nat-tiny-2", 128, 4, 32, (28, 28), (7, 7), rpb=True),
+        P("nat-tiny-3", 128, 8, 32, (14, 14), (7, 7), rpb=True),
+        P("nat-tiny-4", 128, 16, 32, (7, 7), (7, 7), rpb=True),
     ]
 
 
@@ -323,6 +328,59 @@ def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log)
     return rows
 
 
+def kernel_floor_bytes(p: BenchProblem, elem: int) -> dict:
+    """Bytes each fused kernel must move at least (its inputs read once, its outputs written once), by kernel
+    name: T = one [B, N, H, D] tensor, L = one float32 value per query row (lse, delta), S = dQ's float32
+    window-layout dS (one value per query and window slot; written by dQ, read by the dRPB reduction)."""
+    n = p.params.num_tokens
+    rows = p.batch * n * p.heads
+    t, lse = rows * p.dim * elem, rows * 4
+    ds = rows * keys_per_query(p.params) * 4 if p.rpb else 0
+    return {
+        "na_fwd_kernel": 4 * t,  # q, k, v in, out (the lse store is skipped in inference)
+        "na_bwd_delta_kernel": 2 * t + lse,
+        "na_bwd_dq_kernel": 5 * t + 2 * lse + ds,
+        "na_bwd_dkdv_kernel": 6 * t + 2 * lse,
+        "dRPB reduction": ds,
+    }
+
+
+def kernel_breakdown(p: BenchProblem, fn, copy_gbps: float, elem: int, calls: int = 5) -> list[dict]:
+    """Device time per kernel of one ``fn()`` (median-free: the mean over ``calls`` profiled calls) beside the
+    time its floor bytes take at the measured copy bandwidth.  Kernels not named in ``kernel_floor_bytes`` (torch's
+    own: the dRPB sums, casts) are grouped as the dRPB reduction when the problem has RPB, else as "other"."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    floors = kernel_floor_bytes(p, elem)
+    spent: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        name = event.name if event.name in floors else ("dRPB reduction" if p.rpb else "other")
+        spent[name] = spent.get(name, 0.0) + event.self_device_time_total / 1e3 / calls
+    out = []
+    for name, ms in spent.items():
+        floor_ms = floors.get(name, 0) / copy_gbps / 1e6
+        out.append(dict(problem=p.name, kernel=name, ms=ms, floor_ms=floor_ms,
+                        x_floor=ms / floor_ms if floor_ms else None))
+    return out
+
+
+def format_kernel_table(entries: list[dict]) -> str:
+    lines = ["| problem | kernel | ms | floor ms | x floor |", "|---|---|---|---|---|"]
+    for e in entries:
+        x = "" if e["x_floor"] is None else f"{e['x_floor']:.2f}"
+        lines.append(f"| {e['problem']} | {e['kernel']} | {e['ms']:.4f} | {e['floor_ms']:.4f} | {x} |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[Row]) -> str:
     head = "| problem | mode | backend | ms | TFLOP/s | x SDPA | E | GB/s | % copy BW | note |"
     lines = [head, "|" + "---|" * 10]
@@ -350,6 +408,8 @@ def main(argv=None):
     ap.add_argument("--rep", type=float, default=100, help="do_bench repetition budget (ms)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time SDPA and every backend this many times in alternating rounds; medians reported")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile the fused backend's kernels one by one against the bytes each must move")
     ap.add_argument("--out", default=None, help="path prefix for .csv / .json results")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -382,15 +442,24 @@ def main(argv=None):
     }
     env.update(measure_ceilings(torch.device("cuda")))
     log(json.dumps(env))
-    rows = []
+    rows, kernels = [], []
     for p in problems:
         log(f"{p.name}: B={p.batch} H={p.heads} D={p.dim} spatial={p.spatial} K={p.kernel_size} s={p.stride} "
             f"d={p.dilation} causal={p.causal} rpb={p.rpb}")
         rows += run_problem(p, backends, args.backward, dtype, env, args, log)
+        if args.kernels:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, rpb = p.random_inputs(torch.device("cuda"), dtype, gen)
+            d_out = torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen) if args.backward else None
+            _, fn = _backend_call(p, "fused", q, k, v, rpb, d_out)
+            kernels += kernel_breakdown(p, fn, env["copy_GBps"], torch.finfo(dtype).bits // 8)
         torch.cuda.empty_cache()
         if args.out:  # after every problem, so a run cut short still leaves its results
             write_results(args.out, env, rows)
     print(format_table(rows))
+    if kernels:
+        print()
+        print(format_kernel_table(kernels))
     return rows
 
 

@@ -85,3 +85,18 @@ def test_run_problem_on_the_cpu_with_alternating_rounds(monkeypatch, backward):
     w, n = 9, 36
     assert by["gemm"].efficiency == pytest.approx(4.0 / 6.0 * w / n)
     assert by["nonexistent"].ms is None and by["nonexistent"].note.startswith("failed")
+
+
+def test_kernel_floor_bytes_count_each_tensor_once():
+    """The per-kernel floors of the NAT-Tiny stage problems: T = one [B, N, H, D] tensor, L = one float32 per
+    query row; dQ also writes the float32 window-layout dS (49 slots per query) where RPB is trained."""
+    problems = {p.name: p for p in bench.standard_problems()}
+    p = problems["nat-tiny-3"]
+    rows = 128 * 14 * 14 * 8
+    t, lse, ds = rows * 32 * 2, rows * 4, rows * 49 * 4
+    floors = bench.kernel_floor_bytes(p, 2)
+    assert floors == {"na_fwd_kernel": 4 * t, "na_bwd_delta_kernel": 2 * t + lse,
+                      "na_bwd_dq_kernel": 5 * t + 2 * lse + ds, "na_bwd_dkdv_kernel": 6 * t + 2 * lse,
+                      "dRPB reduction": ds}
+    no_rpb = bench.kernel_floor_bytes(problems["nat-s3"], 2)
+    assert no_rpb["dRPB reduction"] == 0 and no_rpb["na_bwd_dq_kernel"] == 5 * t + 2 * lse
