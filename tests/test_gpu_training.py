@@ -74,7 +74,11 @@ def test_compiled_training_step_matches_eager(mode):
                 p.normal_(0, 0.5)
     images = torch.randn(8, 3, 224, 224, device="cuda")
     labels = torch.randint(0, 10, (8,), device="cuda")
-    eager_loss, eager = _step(model, images, labels, "fused", torch.bfloat16)
+    # compiled first, on empty caches: what the fused op caches while a graph is warmed up or recorded must
+    # stay out of the graph's memory pool
+    from ops.fused import rpb_grad
+
+    rpb_grad._ONEHOTS.clear()
     torch._dynamo.reset()
     compiled = torch.compile(model, mode=mode, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -83,6 +87,8 @@ def test_compiled_training_step_matches_eager(mode):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = torch.nn.functional.cross_entropy(compiled(images), labels)
             loss.backward()
+    compiled_grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    eager_loss, eager = _step(model, images, labels, "fused", torch.bfloat16)
     assert abs(loss.item() - eager_loss.item()) <= 2e-2 * abs(eager_loss.item())
-    for n, p in model.named_parameters():
-        assert _rel(p.grad.float(), eager[n]) < 5e-2, n
+    for n, grad in compiled_grads.items():
+        assert _rel(grad, eager[n]) < 5e-2, n

@@ -15,9 +15,9 @@ used only up to ``WINDOW_BUFFER_BYTES``; larger problems keep the offset pass.
 """
 from __future__ import annotations
 
-import functools
 import math
 import string
+import threading
 
 import torch
 
@@ -38,14 +38,49 @@ def window_path_ok(batch: int, heads: int, params: NAParams) -> bool:
     return 4 * math.prod(buffer_shape(batch, heads, params)) <= WINDOW_BUFFER_BYTES
 
 
-@functools.lru_cache(maxsize=64)
-def _axis_onehots(params: NAParams, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _onehots(params: NAParams, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Per axis, [L, K, 2K - 1] float32: 1 where (position, slot) has that relative offset."""
     tables = []
     for L, K, s, d, causal in params.axes():
         _, _, rel = axis_neighbor_table(L, K, s, d, causal, device)
         tables.append(torch.nn.functional.one_hot(rel, 2 * K - 1).to(torch.float32))
     return tuple(tables)
+
+
+# The tables per (problem, device), built once.  A cached table must stay outside CUDA-graph memory pools:
+# torch.compile's CUDA graphs (cudagraph trees) route every allocation of the thread that warms up or records a
+# graph into the graph's private pool and refuse a graph that leaves a pool tensor alive beyond its outputs.
+_ONEHOTS: dict[tuple, tuple[torch.Tensor, ...]] = {}
+MAX_CACHED_PROBLEMS = 64
+
+
+def _axis_onehots(params: NAParams, device: torch.device) -> tuple[torch.Tensor, ...]:
+    key = (params, device)
+    tables = _ONEHOTS.get(key)
+    if tables is not None:
+        return tables
+    if device.type != "cuda":
+        tables = _onehots(params, device)
+    elif torch.cuda.is_current_stream_capturing():  # no graph-pool tensor may outlive the capture: not cached
+        return _onehots(params, device)
+    else:
+        tables = _built_on_another_thread(lambda: _onehots(params, device), device)
+    if len(_ONEHOTS) < MAX_CACHED_PROBLEMS:
+        _ONEHOTS[key] = tables
+    return tables
+
+
+def _built_on_another_thread(build, device: torch.device):
+    """``build()`` run on a helper thread (whose allocations no graph pool takes), on the default stream, which
+    the caller's current stream then waits for."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(build()))
+    worker.start()
+    worker.join()
+    if not result:
+        raise RuntimeError("rpb_grad: building the offset tables failed (see the thread's traceback above)")
+    torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
+    return result[0]
 
 
 def reduce_window_ds(ds: torch.Tensor, params: NAParams) -> torch.Tensor:
