@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from namodels.data import ClassificationDataModule, DatasetLayoutError, EpochSampler, build_splits, collate_skipping
+from namodels.data.decoding import Unreadable
 
 CLASSES = ("n01", "n02", "n03")
 MODEL_DEFAULTS = dict(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), interpolation="bilinear", crop_pct=1.0)
@@ -68,7 +69,7 @@ def test_imagenet_folder_layout(tmp_path):
     dm.setup("fit")
     images, targets, skipped = next(iter(dm.train_dataloader()))
     assert images.shape == (2, 3, 16, 16) and images.dtype == torch.float32
-    assert targets.dtype == torch.int64 and int(skipped) == 0
+    assert targets.dtype == torch.int64 and skipped == []
     batches = list(dm.val_dataloader())
     assert sum(b[0].shape[0] for b in batches) == len(made["val"])
 
@@ -113,16 +114,19 @@ def test_tar_shards(tmp_path):
 
 def test_unreadable_images_are_skipped_and_counted(tmp_path):
     make_folder(str(tmp_path), per_class=(2, 1))
-    (tmp_path / "train" / "n02" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
-    (tmp_path / "train" / "n03" / "truncated.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(40))
+    broken = tmp_path / "train" / "n02" / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    truncated = tmp_path / "train" / "n03" / "truncated.jpg"
+    truncated.write_bytes(b"\xff\xd8\xff\xe0" + bytes(40))
     dm = ClassificationDataModule(data_cfg("folder", str(tmp_path), batch_size=4), seed=0)
     dm.use_model_defaults(MODEL_DEFAULTS)
     dm.setup("fit")
     assert len(dm.train_set) == 8
     loader = torch.utils.data.DataLoader(dm.train_set, batch_size=8, collate_fn=collate_skipping)
     images, targets, skipped = next(iter(loader))
-    assert int(skipped) == 2 and images.shape[0] == 6 == targets.shape[0]
-    assert collate_skipping([None, None]) is None
+    assert sorted(skipped) == sorted([str(broken), str(truncated)])  # the files, by path
+    assert images.shape[0] == 6 == targets.shape[0]
+    assert collate_skipping([Unreadable("a.png"), Unreadable("b.png")]) == (None, None, ["a.png", "b.png"])
 
 
 @pytest.mark.parametrize("fmt", ["folder", "tar", "image_folder"])

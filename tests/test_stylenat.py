@@ -356,7 +356,7 @@ def test_training_steps_r1_schedule_checkpoint_and_resume(tmp_path, monkeypatch)
 
     path = tmp_path / "gan.ckpt"
     trainer.save_checkpoint(path)
-    ckpt = torch.load(path, weights_only=False)
+    ckpt = torch.load(path, weights_only=True)  # plain data: loads without unpickling code
     assert set(ckpt["state_dicts"]) == {"g", "g_ema", "d"} and set(ckpt["optim_dicts"]) == {"g_optim", "d_optim"}
     assert ckpt["kimg"] == pytest.approx(0.012)
     # Resume: counters and optimizer states come back; training continues to the new budget.
@@ -479,9 +479,11 @@ def test_skimage_crops_and_image_folder(tmp_path):
         Image.fromarray(arr).save(tmp_path / sub / f"{i:05d}.png")
     folder = ImageFolder(str(tmp_path), resolution=16, hflip=False)
     assert len(folder) == 3 and folder.files[-1].endswith(os.path.join("01000", "00002.png"))
-    assert folder[0].shape == (3, 16, 16)
+    image, skipped = folder[0]
+    assert image.shape == (3, 16, 16) and skipped == ()
     dm = GANDataModule(source="folder", root=str(tmp_path), resolution=16, batch_size=2, pin_memory=False)
-    assert next(iter(dm.train_dataloader())).shape == (2, 3, 16, 16)
+    images, skipped = next(iter(dm.train_dataloader()))
+    assert images.shape == (2, 3, 16, 16) and skipped == []
     with pytest.raises(ValueError, match="root"):
         ImageFolder(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="root"):

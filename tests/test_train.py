@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 
 import namodels  # noqa: F401
 from namodels.tasks.classification import ClassificationModule
-from namodels.tasks.evaluate import COLUMNS, accuracy
+from namodels.tasks.evaluate import COLUMNS
 from namodels.tasks.models import create_model
-from namodels.tasks.runner import check_stage, check_task_inputs, fit
+from namodels.tasks.runner import check_stage, check_task_inputs, evaluate, fit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -188,25 +188,29 @@ def test_mixup_ema_run_checkpoints_and_exports(trained_with_mixup_and_ema):
 def _eval(root, *extra):
     cfg = compose_cfg("eval", [f"paths.root_dir={root}", "threads=1", "data.val_batch_size=64",
                                "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", *extra])
-    return cfg, accuracy(cfg)
+    return cfg, evaluate(cfg)
 
 
 def test_eval_reproduces_training_accuracy(trained_with_mixup_and_ema):
     root, _, summary = trained_with_mixup_and_ema
     ckpt, metrics = summary["best_checkpoint"], summary["metrics"]
-    cfg, auto = _eval(root, f"ckpt_path={ckpt}")  # auto: the EMA weights the run selected on
+    stem = os.path.join(root, "all_results")  # a shared results_file gathers one CSV row per evaluation
+    cfg, auto = _eval(root, f"ckpt_path={ckpt}", f"results_file={stem}")  # auto: the EMA weights selected on
     assert auto["weights"] == "ema" and auto["top1"] == pytest.approx(metrics["val_ema/top1"], abs=1e-4)
     assert auto["top5"] == pytest.approx(metrics["val_ema/top5"], abs=1e-4)
-    _, raw = _eval(root, f"ckpt_path={ckpt}", "weights=raw")
+    _, raw = _eval(root, f"ckpt_path={ckpt}", "weights=raw", f"results_file={stem}")
     assert raw["top1"] == pytest.approx(metrics["val/top1"], abs=1e-4)
     assert raw["top1_err"] == pytest.approx(100 - raw["top1"])
-    _, exported = _eval(root, f"model.pretrained_file={summary['exported'][0]}")
+    exported_cfg, exported = _eval(root, f"model.pretrained_file={summary['exported'][0]}", f"results_file={stem}")
     assert exported["model"] == "nat_digits" and exported["top1"] == raw["top1"] and exported["weights"] == "pretrained"
     # timm validate-style files
-    stem = os.path.join(cfg.paths.output_dir, "results")
     assert json.load(open(stem + ".json"))["top1"] == exported["top1"]
     rows = list(csv.DictReader(open(stem + ".csv")))
     assert tuple(rows[0]) == COLUMNS and len(rows) == 3
+    # without results_file, every evaluation writes into a folder of its own
+    _, again = _eval(root, f"ckpt_path={ckpt}", "weights=raw")
+    own = glob.glob(os.path.join(root, "logs", "accuracy", "digits", "version_*", "results.json"))
+    assert len(own) == 1 and json.load(open(own[0]))["top1"] == again["top1"]
     assert rows[0]["img_size"] == "32" and rows[0]["interpolation"] == "bilinear" and float(rows[0]["param_count"]) > 0
 
 
@@ -269,7 +273,8 @@ def test_ddp_on_cpu_with_two_processes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out_dir = glob.glob(str(tmp_path / "logs" / "classification" / "*"))[0]
+    (out_dir,) = glob.glob(str(tmp_path / "logs" / "classification" / "*" / "*"))  # one folder for both processes
+    assert os.path.basename(out_dir) == "version_0"
     summary = json.load(open(os.path.join(out_dir, "summary.json")))
     assert summary["global_step"] == 3 and "val/top1" in summary["metrics"]
     log_text = proc.stdout + proc.stderr + open(os.path.join(out_dir, "train.log")).read()
@@ -287,7 +292,7 @@ def test_ddp_on_cpu_with_two_processes(tmp_path):
     ("model.drop_path_rate=1.5", r"model.drop_path_rate: must be in \[0, 1\)"),
     ("model.name=nat_minii", "model.name: 'nat_minii' is not a timm model name"),
     ("data.batch_size=0", "data.batch_size: must be >= 1"),
-    ("task.module.scheduler.warmup_epochs=5", "warmup_epochs: 5 warmup epochs .* leave no decay phase"),
+    ("task.module.scheduler.cooldown_epochs=2", "cooldown_epochs: 2 cooldown epochs leave no schedule"),
 ])
 def test_out_of_range_config_values(tmp_path, override, match):
     with pytest.raises(ValueError, match=match):

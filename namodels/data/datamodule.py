@@ -18,6 +18,7 @@ from timm.data import create_transform
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from ..utils.checks import check_choice, check_range
+from .decoding import Unreadable
 from .sources import FORMATS, SyntheticImages, build_splits
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,15 @@ class EpochSampler(DistributedSampler):
 
 
 def collate_skipping(batch):
-    """Collates ``(image, target)`` pairs, dropping unreadable samples (``None``) and counting them.
+    """Collates ``(image, target)`` pairs, dropping the samples whose file was unreadable.
 
-    Returns ``(images, targets, skipped)``, or ``None`` if every sample of the batch was unreadable.
+    Returns ``(images, targets, skipped)`` with ``skipped`` the list of the dropped files' paths;
+    ``images`` and ``targets`` are ``None`` if every sample of the batch was unreadable.
     """
-    kept = [sample for sample in batch if sample is not None]
-    skipped = torch.tensor(len(batch) - len(kept))
+    skipped = [sample.path for sample in batch if isinstance(sample, Unreadable)]
+    kept = [sample for sample in batch if not isinstance(sample, Unreadable)]
     if not kept:
-        return None
+        return None, None, skipped
     images, targets = default_collate(kept)
     return images, targets, skipped
 
@@ -74,7 +76,6 @@ class ClassificationDataModule(pl.LightningDataModule):
         self.seed = int(seed)
         self.model_defaults: dict = {}
         self.train_set = self.val_set = None
-        self.skipped_images = 0
 
     # ---- configuration -------------------------------------------------------------------------
     @staticmethod

@@ -1,18 +1,22 @@
 """Unconditional image data for GAN training and FID: image folders (FFHQ / LSUN layouts) and an
 offline default made of random crops of scikit-image's bundled sample photos.
 
-Items are float32 images ``[3, R, R]`` in ``[-1, 1]`` (what the generator outputs).
+Images are float32 ``[3, R, R]`` in ``[-1, 1]`` (what the generator outputs).
 
 * :class:`ImageFolder`: every image file under ``root`` (recursively, sorted), so it reads the
   FFHQ layout (``images1024x1024/00000/00000.png`` or a flat ``ffhq256/*.png``) and LSUN exported
   to files (``church_outdoor_train/*.webp``); resized so the short side is ``resolution``, center
-  cropped, optionally flipped.
+  cropped, optionally flipped.  Items are ``(image, skipped)``: an unreadable file (truncated, not an
+  image, a decompression bomb, a dangling symlink) is replaced by the next readable one, so batches
+  stay full (the discriminator's minibatch-stddev groups need that), and its path is listed in
+  ``skipped``; :func:`collate_images` gathers those lists per batch.  16-bit images are scaled to 8 bits.
 * :class:`SkimageCrops`: ``length`` random square crops (random size, position and flip) of the
   colour sample images that ship inside scikit-image, resized to ``resolution``; crop ``i`` is a
   pure function of ``(seed, i)`` so every worker, epoch and machine sees the same data.
 """
 from __future__ import annotations
 
+import logging
 import os
 from functools import lru_cache
 from typing import Sequence
@@ -21,13 +25,17 @@ import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from .decoding import UnreadableImage, open_rgb
+
+log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 # Colour photos bundled with scikit-image (no download needed).
 SKIMAGE_IMAGES = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
 
-__all__ = ["ImageFolder", "SkimageCrops", "GANDataModule", "to_unit_range", "IMAGE_EXTENSIONS"]
+__all__ = ["ImageFolder", "SkimageCrops", "GANDataModule", "collate_images", "to_unit_range", "IMAGE_EXTENSIONS"]
 
 
 def to_signed(img: torch.Tensor) -> torch.Tensor:
@@ -76,20 +84,29 @@ class ImageFolder(Dataset):
         if not files:
             raise ValueError(f"root: no images ({', '.join(exts)}) found under {root!r}")
         self.files = files[:max_images] if max_images else files
-        self.resolution, self.hflip, self.seed = resolution, hflip, seed
+        self.root, self.resolution, self.hflip, self.seed = root, resolution, hflip, seed
 
     def __len__(self):
         return len(self.files)
 
     def __getitem__(self, index):
-        from PIL import Image
-
-        with Image.open(self.files[index]) as im:
-            arr = np.asarray(im.convert("RGB"))
-        img = resize_center_crop(torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 255.0, self.resolution)
-        if self.hflip and torch.rand((), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + index)) < 0.5:
-            img = img.flip(-1)
-        return to_signed(img.clamp(0, 1))
+        """``(image [3, R, R] in [-1, 1], skipped)``: ``skipped`` lists the unreadable files passed over
+        (the file at ``index`` and the ones after it) to reach a readable one."""
+        skipped = []
+        for offset in range(len(self.files)):
+            path = self.files[(index + offset) % len(self.files)]
+            try:
+                arr = np.asarray(open_rgb(path))
+            except UnreadableImage as err:
+                log.warning("skipping unreadable image %s", err)
+                skipped.append(path)
+                continue
+            img = resize_center_crop(torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 255.0, self.resolution)
+            flip = torch.rand((), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + index)) < 0.5
+            if self.hflip and flip:
+                img = img.flip(-1)
+            return to_signed(img.clamp(0, 1)), tuple(skipped)
+        raise ValueError(f"root: none of the {len(self.files)} images under {self.root!r} is readable")
 
 
 @lru_cache(maxsize=None)
@@ -149,6 +166,16 @@ class SkimageCrops(Dataset):
         return to_signed(crop.clamp(0, 1))
 
 
+def collate_images(batch) -> tuple[torch.Tensor, list[str]]:
+    """``(images [B, 3, R, R], skipped paths)`` from items that are images or ``(image, skipped)`` pairs."""
+    images, skipped = [], []
+    for item in batch:
+        image, passed_over = item if isinstance(item, tuple) else (item, ())
+        images.append(image)
+        skipped.extend(passed_over)
+    return default_collate(images), skipped
+
+
 class GANDataModule(L.LightningDataModule):
     """Real images for GAN training / FID.
 
@@ -192,9 +219,9 @@ class GANDataModule(L.LightningDataModule):
         # drop_last: the discriminator's minibatch-stddev groups need full batches.
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
                           num_workers=self.num_workers, pin_memory=self.pin_memory and torch.cuda.is_available(),
-                          persistent_workers=self.num_workers > 0)
+                          persistent_workers=self.num_workers > 0, collate_fn=collate_images)
 
     def real_dataloader(self, batch_size: int | None = None):
         """Un-flipped real images in a fixed order (FID reference statistics)."""
         return DataLoader(self.make_dataset(hflip=False), batch_size=batch_size or self.batch_size, shuffle=False,
-                          num_workers=self.num_workers)
+                          num_workers=self.num_workers, collate_fn=collate_images)

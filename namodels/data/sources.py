@@ -2,8 +2,10 @@
 
 Every source returns a :class:`LabeledImages` dataset of ``(PIL.Image, class index)`` pairs read by one
 of timm's readers (folders: ``ReaderImageFolder``; tar shards: ``ReaderImageInTar``), or built in
-memory (``digits``, ``synthetic``).  Files that cannot be decoded are returned as ``None`` and counted
-by the collate function instead of crashing the run.
+memory (``digits``, ``synthetic``).  Files that cannot be decoded (truncated, not images, decompression
+bombs, dangling symlinks) come back as :class:`~namodels.data.decoding.Unreadable` with their path; the
+collate function drops them and passes the paths on, so the task counts unreadable *files*.  16-bit
+images are scaled to 8 bits (:func:`~namodels.data.decoding.open_rgb`).
 
 Formats (``data.format``):
 
@@ -32,6 +34,8 @@ from timm.data.readers.reader_image_folder import ReaderImageFolder
 from timm.data.readers.reader_image_in_tar import ReaderImageInTar
 from torch.utils.data import Dataset
 
+from .decoding import Unreadable, UnreadableImage, open_rgb
+
 log = logging.getLogger(__name__)
 
 FORMATS = ("digits", "folder", "tar", "image_folder", "synthetic")
@@ -54,7 +58,7 @@ def _layout(fmt: str, root: str, train: str, val: str) -> str:
 
 
 class LabeledImages(Dataset):
-    """``(image, target)`` pairs from a timm reader; ``None`` for a file PIL cannot decode."""
+    """``(image, target)`` pairs from a timm reader; :class:`Unreadable` for a file that cannot be decoded."""
 
     def __init__(self, reader, indices: Sequence[int] | None = None, transform: Callable | None = None,
                  classes: Sequence[str] = ()):
@@ -68,18 +72,25 @@ class LabeledImages(Dataset):
 
     def __getitem__(self, index: int):
         index = int(index if self.indices is None else self.indices[index])
-        source, target = self.reader[index]
+        name = self.filename(index)
         try:
-            image = source if isinstance(source, Image.Image) else Image.open(source)
-            image = image.convert("RGB")  # decodes now, so a truncated file fails here, not in a transform
-        except (OSError, SyntaxError, ValueError) as err:  # PIL raises these for unreadable/truncated files
-            log.warning("skipping unreadable image %s: %s", self.filename(index), err)
-            return None
+            source, target = self.reader[index]  # folder readers open the file here (a dangling link fails)
+            image = open_rgb(source, name)  # decodes now, so a truncated file fails here, not in a transform
+        except UnreadableImage as err:
+            log.warning("skipping unreadable image %s", err)
+            return Unreadable(name)
+        except OSError as err:
+            log.warning("skipping unreadable image %s: %s", name, err)
+            return Unreadable(name)
         return (self.transform(image) if self.transform is not None else image), int(target)
 
     def filename(self, index: int) -> str:
+        """The sample's file: an absolute path (folders), ``<shard>/<member>`` (tars) or ``#<index>``."""
+        if isinstance(self.reader, ReaderImageInTar):
+            sample_ti, parent_fn, child_ti = self.reader.samples[index]
+            return os.path.join(self.reader.root, parent_fn or "", child_ti.name if child_ti else "", sample_ti.name)
         try:
-            return str(self.reader._filename(index))
+            return os.path.abspath(self.reader._filename(index, absolute=True))
         except Exception:  # in-memory readers have no file names
             return f"#{index}"
 

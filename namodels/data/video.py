@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from .decoding import open_rgb, to_rgb8
 from .moving_digits import MovingDigits
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -43,15 +44,12 @@ def _natural_key(name: str):
 
 
 def _pil_to_tensor(image) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+    return torch.from_numpy(np.asarray(to_rgb8(image)).copy()).permute(2, 0, 1)
 
 
 def read_image(path: str) -> torch.Tensor:
-    """``[C, H, W]`` uint8 RGB (palette / alpha / grey images converted)."""
-    from PIL import Image
-
-    with Image.open(path) as image:
-        return _pil_to_tensor(image)
+    """``[C, H, W]`` uint8 RGB (palette / alpha / grey images converted, 16-bit images scaled)."""
+    return _pil_to_tensor(open_rgb(path))
 
 
 def read_video_file(path: str) -> torch.Tensor:

@@ -22,6 +22,64 @@ from .layers import NATBlock, stage_dilations
 GLOBAL_POOLS = ("avg", "")
 
 
+# --- argument checks shared by the model constructors (NAT, DiNAT_s, nat_digits, video, StyleNAT) ------------
+
+def _flat(values):
+    if isinstance(values, (list, tuple)):
+        for v in values:
+            yield from _flat(v)
+    else:
+        yield values
+
+
+def check_kernel_sizes(kernel_size, name: str = "kernel_size") -> None:
+    """Every window size (an int, or nested sequences of them) is a positive odd integer: a window
+    centred on its query."""
+    for k in _flat(kernel_size):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
+            raise ValueError(f"{name}: must be odd (a window centred on its query), got {k!r} in {kernel_size!r}")
+
+
+def check_mlp_ratio(mlp_ratio) -> None:
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not mlp_ratio > 0:
+        raise ValueError(f"mlp_ratio: must be > 0, got {mlp_ratio!r}")
+
+
+def check_drop_path_rate(drop_path_rate) -> None:
+    if isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float)) \
+            or not 0 <= drop_path_rate < 1:
+        raise ValueError(f"drop_path_rate: must be in [0, 1), got {drop_path_rate!r}")
+
+
+def check_backend(backend) -> None:
+    """``None`` (automatic / ``ops.use_backend``) or a registered NA backend name."""
+    import ops
+
+    known = ops.available_backends()
+    if backend is not None and backend not in known:
+        raise ValueError(f"backend: unknown backend {backend!r}; choose one of {sorted(known)} or None")
+
+
+def check_model_arguments(*, kernel_size=None, kernel_name: str = "kernel_size", mlp_ratio=None,
+                          drop_path_rate=None, backend=None) -> None:
+    """The constructor checks of the NA models: ``ValueError`` naming the argument (arguments left
+    ``None`` are not checked, except ``backend``, for which None is valid)."""
+    if kernel_size is not None:
+        check_kernel_sizes(kernel_size, kernel_name)
+    if mlp_ratio is not None:
+        check_mlp_ratio(mlp_ratio)
+    if drop_path_rate is not None:
+        check_drop_path_rate(drop_path_rate)
+    check_backend(backend)
+
+
+def check_batch(x: torch.Tensor, name: str = "x") -> None:
+    """An empty batch fails here, by name, instead of deep inside the attention kernels."""
+    if x.shape[0] == 0:
+        raise ValueError(f"{name}: empty batch (0 samples) of shape {tuple(x.shape)}; drop empty batches before "
+                         "the model")
+
+
 class NAStage(nn.Module):
     """``blocks`` (run in sequence, optionally checkpointed) then ``downsample`` (Identity in the last stage)."""
 
@@ -84,6 +142,7 @@ class NABackbone(nn.Module):
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != self.in_chans:
             raise ValueError(f"x: expected an image batch [B, {self.in_chans}, H, W], got {tuple(x.shape)}")
+        check_batch(x)
 
     # --- classification -------------------------------------------------------------------------------
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

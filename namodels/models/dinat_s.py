@@ -17,7 +17,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
-from .backbone import NABackbone, build_stages
+from .backbone import NABackbone, build_stages, check_model_arguments
 from .layers import init_weights
 from .nat import clean_state_dict, dilated
 
@@ -87,6 +87,8 @@ class DiNAT_s(NABackbone):
         backend: str | None = None,
     ):
         super().__init__()
+        check_model_arguments(kernel_size=kernel_size, mlp_ratio=mlp_ratio, drop_path_rate=drop_path_rate,
+                              backend=backend)
         self.in_chans = in_chans
         self.grad_checkpointing = False
         self.patch_embed = PatchEmbed(in_chans, embed_dim, patch_size)  # built first: keeps the seeded init order

@@ -36,6 +36,7 @@ from torch import nn
 
 import ops
 
+from .backbone import check_batch, check_model_arguments
 from .layers import init_weights
 
 __all__ = [
@@ -436,6 +437,9 @@ class StyleNATGenerator(nn.Module):
         super().__init__()
         if size not in (32, 64, 128, 256, 512, 1024):
             raise ValueError(f"size: expected a power of two from 32 to 1024, got {size}")
+        # kernel_size sets the default windows; explicit `windows` may use an even kernel equal to their
+        # (even) map size, which attends to the whole map (the release's 4x4 stage).
+        check_model_arguments(kernel_size=kernel_size, mlp_ratio=mlp_ratio, backend=backend)
         channels = stage_channels(size, channel_multiplier, channels)
         resolutions = [2**i for i in range(2, int(math.log2(size)) + 1)]
         if windows is not None and len(windows) != len(resolutions):
@@ -553,6 +557,7 @@ class StyleNATGenerator(nn.Module):
             truncation, truncation_cutoff: truncation trick (``1.0`` = off).
             return_latents: also return the per-layer styles.
         """
+        check_batch(z, "z")
         if input_is_w:
             ws = z if z.dim() == 3 else z[:, None].expand(-1, self.n_latent, -1)
             ws = self.truncate(ws, truncation, truncation_cutoff)
@@ -830,9 +835,12 @@ def convert_official_generator(state_dict: Mapping[str, torch.Tensor]) -> dict:
 def load_official_generator(generator: StyleNATGenerator, checkpoint, which: str = "g_ema",
                             w_avg_samples: int = 10000) -> StyleNATGenerator:
     """Loads a released StyleNAT checkpoint (path or loaded dict) into ``generator`` (strict,
-    except for ``w_avg``, which is estimated from ``w_avg_samples`` mapped latents)."""
+    except for ``w_avg``, which is estimated from ``w_avg_samples`` mapped latents).  A path is read as
+    plain data only (``weights_only``; see :mod:`namodels.tasks.checkpoints`): pickled code never runs."""
     if not isinstance(checkpoint, Mapping):
-        checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        from namodels.tasks.checkpoints import load_checkpoint_file
+
+        checkpoint = load_checkpoint_file(checkpoint)
     converted = convert_official_generator(official_state_dict(checkpoint, which))
     hint = "check size / channel_multiplier / channels / kernel sizes"
     try:

@@ -21,6 +21,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 
 import ops
 
+from .backbone import check_batch, check_model_arguments
 from .layers import init_weights
 
 __all__ = ["TinyNAT"]
@@ -101,6 +102,8 @@ class TinyNAT(nn.Module):
         backend: str | None = None,
     ):
         super().__init__()
+        check_model_arguments(kernel_size=kernel_sizes, kernel_name="kernel_sizes", mlp_ratio=mlp_ratio,
+                              drop_path_rate=drop_path_rate, backend=backend)
         if not len(num_heads) == len(kernel_sizes) == len(dilations):
             raise ValueError("kernel_sizes: num_heads, kernel_sizes and dilations need one entry per level")
         if any(len(k) != len(d) for k, d in zip(kernel_sizes, dilations)):
@@ -158,6 +161,7 @@ class TinyNAT(nn.Module):
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
     def forward_features(self, x):
+        check_batch(x)
         x = self.patch_embed(x)
         for level in self.levels:
             if self.grad_checkpointing and self.training:

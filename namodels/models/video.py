@@ -38,6 +38,7 @@ from torch import nn
 
 import ops
 
+from .backbone import check_batch, check_model_arguments
 from .layers import init_weights
 
 __all__ = ["VideoNAT", "StreamState", "VideoRope", "CausalVideoAttention"]
@@ -336,8 +337,8 @@ class VideoNAT(nn.Module):
         img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         if len(img_size) != 2 or any(s % patch_size for s in img_size):
             raise ValueError(f"img_size: expected (H, W) divisible by patch_size {patch_size}, got {img_size}")
-        if kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size: spatial kernel must be odd, got {kernel_size}")
+        check_model_arguments(kernel_size=kernel_size, mlp_ratio=mlp_ratio, drop_path_rate=drop_path_rate,
+                              backend=backend)
         if dilations is None:
             dilations = [1 if i % 2 == 0 else dilation for i in range(depth)]
         elif len(dilations) != depth:
@@ -415,6 +416,7 @@ class VideoNAT(nn.Module):
         """``[B, T, C, H, W] -> [B, T, h, w, D]`` (normalised tokens)."""
         if clip.dim() != 5:
             raise ValueError(f"clip: expected [B, T, C, H, W], got {tuple(clip.shape)}")
+        check_batch(clip, "clip")
         B, T = clip.shape[:2]
         x = self._embed_frames(clip.flatten(0, 1))
         x = x.unflatten(0, (B, T))

@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from timm.data import Mixup, resolve_model_data_config
+from timm.data.mixup import mixup_target
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -33,6 +34,7 @@ from torchmetrics.classification import MulticlassAccuracy
 import ops
 
 from ..data.datamodule import epoch_seed
+from ..data.decoding import UnreadableFiles
 from ..utils.checks import check_choice, check_range
 from .options import merged_options, plain
 from .models import create_model, export_weights
@@ -49,8 +51,30 @@ DEFAULT_EMA = dict(enabled=False, decay=0.9998, warmup=False)
 
 
 def batch_size(batch) -> int:
-    """Samples in a batch (for Lightning's ThroughputMonitor)."""
-    return 0 if batch is None else int(batch[0].shape[0])
+    """Samples in a batch (for Lightning's ThroughputMonitor); 0 when every file of it was unreadable."""
+    return 0 if batch is None or batch[0] is None else int(batch[0].shape[0])
+
+
+def schedule_epochs(sched: dict, max_epochs) -> tuple[int, float]:
+    """(schedule epochs, warm-up epochs) of the learning-rate schedule inside ``trainer.max_epochs``.
+
+    A warm-up that would fill the whole schedule (a short run of a recipe, e.g. ``trainer.max_epochs=1``
+    with the digits recipe's 1 warm-up epoch) is shortened to half the schedule, with a warning naming
+    the key; cooldown epochs that leave no schedule at all are an error naming theirs.
+    """
+    if max_epochs is None or max_epochs < 1:
+        raise ValueError(f"trainer.max_epochs: the epoch-based schedule needs max_epochs >= 1, got {max_epochs}")
+    epochs = max_epochs - sched["cooldown_epochs"]
+    if epochs < 1:
+        raise ValueError(f"task.module.scheduler.cooldown_epochs: {sched['cooldown_epochs']} cooldown epochs leave "
+                         f"no schedule in trainer.max_epochs={max_epochs}; lower it or raise max_epochs")
+    warmup = sched["warmup_epochs"]
+    if warmup >= epochs:
+        log.warning("task.module.scheduler.warmup_epochs=%s does not fit a %d-epoch schedule "
+                    "(trainer.max_epochs=%d): warming up for %.3g epochs instead (set "
+                    "task.module.scheduler.warmup_epochs to choose)", warmup, epochs, max_epochs, epochs / 2)
+        warmup = epochs / 2
+    return epochs, warmup
 
 
 class ClassificationModule(pl.LightningModule):
@@ -101,7 +125,7 @@ class ClassificationModule(pl.LightningModule):
             }) for prefix in (("val", "val_ema") if self.ema is not None else ("val",))
         })
         self._last_ema_step = None
-        self.skipped_images = 0
+        self.unreadable = UnreadableFiles()
 
     @staticmethod
     def _check(opt, sched, mix, ema, label_smoothing):
@@ -155,14 +179,12 @@ class ClassificationModule(pl.LightningModule):
         self._last_ema_step = self.global_step
 
     def training_step(self, batch, batch_idx):
-        if batch is None:  # every image of the batch was unreadable
-            return None
         images, targets, skipped = batch
-        self._count_skipped(skipped, "train")
+        self._note_unreadable(skipped, "train")
+        if images is None:  # every image of the batch was unreadable
+            return None
         if self.mixup_fn is not None:
-            if images.shape[0] % 2:  # timm's batch mixup pairs samples: drop one if a skip left an odd count
-                images, targets = images[:-1], targets[:-1]
-            images, targets = self.mixup_fn(images, targets)
+            images, targets = self._mix(images, targets)
         loss = self.train_loss(self(images), targets)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
         return loss
@@ -173,20 +195,42 @@ class ClassificationModule(pl.LightningModule):
             self.ema.update(self.model, step=self.global_step)
             self._last_ema_step = self.global_step
 
-    def _count_skipped(self, skipped: torch.Tensor, stage: str) -> None:
-        n = int(skipped)
-        if n:
-            self.skipped_images += n
-            log.warning("%s: %d unreadable image(s) skipped in this batch (%d so far)", stage, n, self.skipped_images)
-        self.log(f"{stage}/skipped_images", float(n), reduce_fx="sum", on_step=False, on_epoch=True,
-                 sync_dist=True, batch_size=1)
+    def _mix(self, images: torch.Tensor, targets: torch.Tensor):
+        """timm's batch mixup pairs sample i with sample B-1-i and needs an even batch: an odd batch (a
+        skipped file, a short last batch) drops its last sample, and a single image keeps its own
+        (label-smoothed, one-hot) target unmixed."""
+        if images.shape[0] == 1:
+            return images, mixup_target(targets, self.hparams.num_classes, lam=1.0,
+                                        smoothing=self.hparams.label_smoothing)
+        if images.shape[0] % 2:
+            images, targets = images[:-1], targets[:-1]
+        return self.mixup_fn(images, targets)
+
+    @property
+    def skipped_files(self) -> set[str]:
+        """Every unreadable file met so far (train and validation)."""
+        return self.unreadable.all()
+
+    def _note_unreadable(self, paths, split: str) -> None:
+        new = self.unreadable.add(split, paths)
+        if new:
+            log.warning("%s: skipped %d unreadable file(s) (%d so far): %s", split, len(new),
+                        self.unreadable.count(split), ", ".join(new[:5]))
+
+    def _log_unreadable(self, split: str) -> None:
+        """``<split>/skipped_images``: how many distinct files of the split were unreadable so far."""
+        self.unreadable.merge_across_processes()
+        self.log(f"{split}/skipped_images", float(self.unreadable.count(split)), batch_size=1)
+
+    def on_train_epoch_end(self) -> None:
+        self._log_unreadable("train")
 
     # ---- validation ----------------------------------------------------------------------------
     def validation_step(self, batch, batch_idx):
-        if batch is None:
-            return
         images, targets, skipped = batch
-        self._count_skipped(skipped, "val")
+        self._note_unreadable(skipped, "val")
+        if images is None:
+            return
         self._update_metrics("val", self(images), targets)
         if self.ema is not None:
             self._update_metrics("val_ema", self.forward_ema(images), targets)
@@ -199,6 +243,7 @@ class ClassificationModule(pl.LightningModule):
         metrics["loss"].update(self.eval_loss(logits, targets), weight=targets.shape[0])
 
     def on_validation_epoch_end(self) -> None:
+        self._log_unreadable("val")
         for prefix, metrics in self.val_metrics.items():
             values = metrics.compute()  # synchronised across processes by torchmetrics
             metrics.reset()
@@ -223,19 +268,10 @@ class ClassificationModule(pl.LightningModule):
         optimizer = create_optimizer_v2(self.model, opt=opt["name"], lr=lr, weight_decay=opt["weight_decay"],
                                         layer_decay=opt["layer_decay"], **kwargs)
         max_epochs = self.trainer.max_epochs
-        if max_epochs is None or max_epochs < 1:
-            raise ValueError(f"trainer.max_epochs: the epoch-based schedule needs max_epochs >= 1, got {max_epochs}")
-        epochs = max_epochs - sched["cooldown_epochs"]
-        if self.trainer.fast_dev_run:  # a smoke test of one batch: any schedule will do
-            epochs = max(epochs, int(sched["warmup_epochs"]) + 1)
-        if epochs < 1 or sched["warmup_epochs"] >= epochs:
-            raise ValueError(
-                f"task.module.scheduler.warmup_epochs: {sched['warmup_epochs']} warmup epochs (and "
-                f"{sched['cooldown_epochs']} cooldown) leave no decay phase in trainer.max_epochs={max_epochs}"
-            )
+        epochs, warmup = schedule_epochs(sched, max_epochs)
         updates_per_epoch = max(1, int(self.trainer.estimated_stepping_batches) // max_epochs)
         scheduler, _ = create_scheduler_v2(
-            optimizer, sched=sched["name"], num_epochs=epochs, warmup_epochs=sched["warmup_epochs"],
+            optimizer, sched=sched["name"], num_epochs=epochs, warmup_epochs=warmup,
             warmup_lr=sched["warmup_lr"], min_lr=sched["min_lr"], warmup_prefix=sched["warmup_prefix"],
             step_on_epochs=False, updates_per_epoch=updates_per_epoch,
         )
@@ -249,7 +285,11 @@ class ClassificationModule(pl.LightningModule):
         scheduler.step_update(num_updates=self.global_step)
 
     # ---- checkpoints and export ----------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["unreadable_files"] = self.unreadable.state()  # plain lists: a resumed run keeps counting
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.unreadable.load_state(checkpoint.get("unreadable_files"))
         saved = (checkpoint.get("hyper_parameters") or {})
         saved_model = (saved.get("model") or {}).get("name")
         ours = self.hparams.model.get("name")

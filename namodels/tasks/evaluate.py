@@ -16,6 +16,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..utils.checks import check_choice
+from .checkpoints import load_checkpoint_file
+from .run_dirs import assign_run_folder
 from .runner import build, instantiate_group, route_lightning_logs
 from .models import check_model_name, file_metadata, load_weights, META_MODEL
 
@@ -41,7 +43,7 @@ def load_checkpoint_model(path: str, model_cfg: dict, weights: str, num_classes:
     """(model config, state dict, weights used) from a Lightning checkpoint of the classification task."""
     if not os.path.isfile(path):
         raise ValueError(f"ckpt_path: {path!r} does not exist")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint = load_checkpoint_file(path)
     hp = checkpoint.get("hyper_parameters") or {}
     saved = dict(hp.get("model") or {})
     if "name" not in saved or "state_dict" not in checkpoint:
@@ -73,6 +75,7 @@ def accuracy(cfg: DictConfig) -> dict:
 
     from .classification import ClassificationModule
 
+    assign_run_folder(cfg)  # this evaluation's own folder (a no-op under eval.py, which chose it already)
     route_lightning_logs()
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))

@@ -135,7 +135,9 @@ def run(cfg) -> dict:
     import ops
     from namodels.data.images import GANDataModule
     from namodels.tasks.generate import generator_from_eval_config
+    from namodels.tasks.run_dirs import assign_run_folder
 
+    assign_run_folder(cfg)  # this run's own folder (a no-op under eval.py, which chose it already)
     data = OmegaConf.to_container(cfg.data, resolve=True)
     if "source" not in data:
         raise ValueError(f"data: FID needs real images from an image data config (data=skimage, or data=ffhq "

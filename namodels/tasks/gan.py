@@ -27,6 +27,7 @@ reference the same tensors (``torch.save`` stores shared storages once).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any, Mapping
@@ -37,7 +38,11 @@ import torch.nn.functional as F
 from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
+from namodels.data.decoding import UnreadableFiles
 from namodels.models.stylenat import StyleNATDiscriminator, StyleNATGenerator, load_official_generator
+from namodels.tasks.checkpoints import load_checkpoint_file
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "GANTask",
@@ -198,7 +203,7 @@ def load_generator(path: str, which: str = "g_ema", release_cfg: Mapping[str, An
         gen = build_generator({**dict(cfg), **override})
         gen.load_state_dict(state)
         return gen.eval().requires_grad_(False)
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    ckpt = load_checkpoint_file(path, map_location=map_location)  # plain data only: never runs pickled code
     if "state_dict" in ckpt and "hyper_parameters" in ckpt:  # ours (Lightning)
         cfg = ckpt["hyper_parameters"].get("generator")
         if cfg is None:
@@ -277,6 +282,7 @@ class GANTask(L.LightningModule):
         # Progress counters live in buffers so they are checkpointed and restored with the weights.
         self.register_buffer("images_seen", torch.zeros((), dtype=torch.long))
         self.register_buffer("d_steps", torch.zeros((), dtype=torch.long))
+        self.unreadable = UnreadableFiles()
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -326,8 +332,20 @@ class GANTask(L.LightningModule):
         if value:
             self.clip_gradients(opt, gradient_clip_val=value, gradient_clip_algorithm="norm")
 
+    @property
+    def skipped_files(self) -> set[str]:
+        """The unreadable image files met so far (each replaced by a readable one in its batch)."""
+        return self.unreadable.all()
+
+    def on_train_epoch_end(self) -> None:
+        self.unreadable.merge_across_processes()
+        self.log("train/skipped_images", float(self.unreadable.count("train")), batch_size=1)
+
     def training_step(self, batch, batch_idx):
         real = batch[0] if isinstance(batch, (list, tuple)) else batch
+        if isinstance(batch, (list, tuple)) and len(batch) > 1:
+            for path in self.unreadable.add("train", batch[1]):
+                log.warning("skipped unreadable image %s", path)
         b = real.shape[0]
         opt_g, opt_d = self.optimizers()
         hp = self.hparams
@@ -423,7 +441,10 @@ class GANTask(L.LightningModule):
         paths = []
         for name, module in (("g_ema", self.g_ema), ("g", self.generator)):
             path = os.path.join(directory, f"{name}.safetensors")
-            save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, path, metadata=meta)
+            partial = path + ".partial"  # written whole, then renamed: a reader never sees half a file
+            save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, partial,
+                      metadata=meta)
+            os.replace(partial, path)
             paths.append(path)
         return paths
 
@@ -439,4 +460,8 @@ class GANTask(L.LightningModule):
         if len(optim) == 2:
             checkpoint["optim_dicts"] = {"g_optim": optim[0], "d_optim": optim[1]}
         checkpoint["kimg"] = self.kimg
+        checkpoint["unreadable_files"] = self.unreadable.state()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.unreadable.load_state(checkpoint.get("unreadable_files"))
 

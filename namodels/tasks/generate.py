@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Sequence
 
 import torch
@@ -27,6 +28,16 @@ def save_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> str:
     return path
 
 
+def check_no_earlier_images(out_dir: str) -> None:
+    """Refuses a folder that already holds generated images: new ones would mix with them."""
+    earlier = sorted(f for f in os.listdir(out_dir) if f == "grid.png" or re.fullmatch(r"seed\d+\.png", f)) \
+        if os.path.isdir(out_dir) else []
+    if earlier:
+        raise ValueError(f"out_dir: {out_dir!r} already holds images of an earlier run ({', '.join(earlier[:3])}"
+                         f"{', ...' if len(earlier) > 3 else ''}); choose an empty folder (eval.py gives every run "
+                         "a new one unless task.out_dir or run_version is set)")
+
+
 @torch.no_grad()
 def generate_images(generator, out_dir: str, num_images: int = 16, seeds: Sequence[int] | None = None,
                     seed: int = 0, truncation: float = 1.0, batch_size: int = 8, grid: bool = True,
@@ -42,6 +53,7 @@ def generate_images(generator, out_dir: str, num_images: int = 16, seeds: Sequen
     seeds = list(seeds) if seeds is not None else list(range(seed, seed + num_images))
     if not seeds:
         raise ValueError("num_images: nothing to generate")
+    check_no_earlier_images(out_dir)
     device = device or next(generator.parameters()).device
     generator.eval()
     z = generator.seeded_latents(seeds)
@@ -102,6 +114,9 @@ def run(cfg) -> dict:
 
     import ops
 
+    from namodels.tasks.run_dirs import assign_run_folder
+
+    assign_run_folder(cfg)  # this run's own folder (a no-op under eval.py, which chose it already)
     generator, source = generator_from_eval_config(cfg)
     t = cfg.task
     seeds = list(t.seeds) if t.get("seeds") is not None else None

@@ -32,9 +32,11 @@ def argv_from_config(task) -> list[str]:
 def run(cfg):
     import torch
 
+    from namodels.tasks.run_dirs import assign_run_folder
     from namodels.tasks.runner import check_stage
 
     check_stage(cfg, "eval", "eval.py")
+    assign_run_folder(cfg)  # this evaluation's own folder (a no-op under eval.py, which chose it already)
     if not torch.cuda.is_available():
         raise RuntimeError("task=ops: the op benchmark times GPU kernels and needs a CUDA device (none is visible)")
     from ops import bench

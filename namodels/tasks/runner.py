@@ -1,8 +1,9 @@
-"""What train.py does with a composed config: instantiate the task's module and data module, the
-trainer, callbacks and loggers, fit, export, report.  Task-agnostic: a new task (GAN, video) plugs in
-through ``configs/task/<name>.yaml`` (``module`` and ``datamodule`` to instantiate, ``stage: fit``).
-Optional module hooks used here: ``data_config`` (handed to ``datamodule.use_model_defaults``) and
-``export_weights(directory, source)``.
+"""What train.py does with a composed config: pick the run's folder, instantiate the task's module and
+data module, the trainer (with atomic, plain-data checkpoint IO), callbacks and loggers, fit, export,
+report.  Task-agnostic: a new task (GAN, video) plugs in through ``configs/task/<name>.yaml``
+(``module`` and ``datamodule`` to instantiate, ``stage: fit``).  Optional module hooks used here:
+``data_config`` (handed to ``datamodule.use_model_defaults``), ``export_weights(directory, source)``
+and ``skipped_files`` (unreadable input files, reported in the summary).
 """
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ import lightning.pytorch as pl
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.fabric.plugins.io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
+
+from .checkpoints import AtomicCheckpointIO, load_checkpoint_file
+from .run_dirs import assign_run_folder
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +67,18 @@ def instantiate_group(group: DictConfig | None) -> list:
     return [build(c) for c in group.values() if c is not None and "_target_" in c]
 
 
+def trainer_plugins(trainer_cfg: DictConfig) -> list:
+    """The trainer config's plugins plus :class:`AtomicCheckpointIO`, unless it names a CheckpointIO."""
+    plugins = [build(p) if isinstance(p, DictConfig) and "_target_" in p else p
+               for p in (trainer_cfg.get("plugins") or [])]
+    if not any(isinstance(p, CheckpointIO) for p in plugins):
+        plugins.append(AtomicCheckpointIO())
+    return plugins
+
+
 def resolve_ckpt_path(ckpt_path, callbacks) -> str | None:
-    """``null`` (fresh run), ``last`` (this run's last.ckpt) or a path; a missing file is an error."""
+    """``null`` (fresh run), ``last`` (this run folder's last.ckpt, see ``run_dirs``) or a path; a missing
+    file is an error."""
     if ckpt_path in (None, "", "null"):
         return None
     if ckpt_path == "last":
@@ -103,6 +118,7 @@ def fit(cfg: DictConfig) -> dict:
 
     check_stage(cfg, "fit", "train.py")
     check_task_inputs(cfg)
+    assign_run_folder(cfg)
     route_lightning_logs()
     started = time.time()
     if cfg.get("threads"):
@@ -114,17 +130,19 @@ def fit(cfg: DictConfig) -> dict:
         datamodule.use_model_defaults(module.data_config)
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
-    trainer: pl.Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer: pl.Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers or False,
+                                plugins=trainer_plugins(cfg.trainer))
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), callbacks)
     if trainer.is_global_zero:
         log.info("output: %s", cfg.paths.output_dir)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
 
     summary = dict(
         task=cfg.task.name, model=cfg.model.get("name"), data=cfg.data.get("name"), epochs=trainer.current_epoch,
         global_step=trainer.global_step, seconds=round(time.time() - started, 1),
         metrics={k: _number(v) for k, v in sorted(trainer.callback_metrics.items())},
-        skipped_images=getattr(module, "skipped_images", 0),
+        skipped_images=len(getattr(module, "skipped_files", ())),
+        skipped_files=sorted(getattr(module, "skipped_files", ())),
     )
     best_cb = next((cb for cb in trainer.checkpoint_callbacks if cb.monitor), None)
     last_cb = next((cb for cb in trainer.checkpoint_callbacks if not cb.monitor), None)
@@ -136,14 +154,27 @@ def fit(cfg: DictConfig) -> dict:
     if trainer.is_global_zero:
         best = summary.get("best_checkpoint") or summary.get("last_checkpoint")
         if cfg.get("export") and best and hasattr(module, "export_weights"):
-            state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
-            module.load_state_dict(state)
+            module.load_state_dict(load_checkpoint_file(best)["state_dict"])
             summary["exported"] = module.export_weights(os.path.join(cfg.paths.output_dir, "export"), source=best)
-        os.makedirs(cfg.paths.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.paths.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json(summary, os.path.join(cfg.paths.output_dir, "summary.json"))
         print_summary(summary)
     return summary
+
+
+def evaluate(cfg: DictConfig):
+    """What eval.py does: checks the task is an eval task, picks the run's folder, runs the task."""
+    check_stage(cfg, "eval", "eval.py")
+    assign_run_folder(cfg)
+    return instantiate(cfg.task.run)(cfg)
+
+
+def write_json(data: dict, path: str) -> None:
+    """Writes ``path`` whole or not at all (temporary file beside it, then a rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(partial, path)
 
 
 def _format_metric(name: str, value: float) -> str:
@@ -155,7 +186,8 @@ def print_summary(summary: dict) -> None:
     metrics = summary["metrics"]
     lines = [f"finished {summary['task']} of {summary['model']} on {summary['data']}: "
              f"{summary['epochs']} epochs, {summary['global_step']} steps, {summary['seconds']} s"]
-    for key in sorted(k for k in metrics if k.startswith(("val/", "val_ema/"))):
+    shown = (k for k in metrics if k.startswith(("val/", "val_ema/")) and not k.endswith("/skipped_images"))
+    for key in sorted(shown):
         lines.append(f"  final {key:<13} {_format_metric(key, metrics[key])}")
     if summary.get("best_score") is not None:
         monitor = summary["monitor"]
@@ -166,7 +198,7 @@ def print_summary(summary: dict) -> None:
     for path in summary.get("exported", []):
         lines.append(f"  exported weights: {path}")
     if summary.get("skipped_images"):
-        lines.append(f"  unreadable images skipped: {summary['skipped_images']}")
+        lines.append(f"  unreadable images skipped: {summary['skipped_images']} files (listed in summary.json)")
     print("\n".join(lines), flush=True)
 
 
