@@ -312,3 +312,17 @@ def test_module_lr_scaling_and_weight_decay_groups():
         else:
             assert id(p) not in no_decay, name
     assert len({g.get("lr_scale") for g in opt.param_groups}) > 2  # layer decay gives per-depth scales
+
+
+@pytest.mark.parametrize("setting,mode", [("false", None), ("default", "default"), ("reduce-overhead", "reduce-overhead")])
+def test_model_compile_switch_reaches_the_module(setting, mode, monkeypatch):
+    """``model.compile=<mode>`` is the one switch: the task's module compiles its model in place with that mode."""
+    cfg = compose_cfg("train", [f"model.compile={setting}"])
+    module_cfg = OmegaConf.to_container(cfg.task.module, resolve=True)
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw.get("mode")))
+    module = ClassificationModule(**{k: v for k, v in module_cfg.items() if not k.startswith("_")})
+    assert seen == ([mode] if mode else [])
+    assert module.hparams.compile == (mode or False)
+    with pytest.raises(ValueError, match="compile"):
+        ClassificationModule(**{**{k: v for k, v in module_cfg.items() if not k.startswith("_")}, "compile": "fastest"})

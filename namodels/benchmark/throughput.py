@@ -39,6 +39,7 @@ from torch import nn
 
 import ops
 
+from ..compilation import COMPILE_MODES, compile_mode
 from . import report
 from .flops import count_macs
 from .models import force_backend, swap_dense_attention
@@ -200,20 +201,6 @@ def _inputs(make_input, batch: int, device: torch.device, channels_last: bool) -
     if channels_last:
         xs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in xs)
     return xs
-
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-def compile_mode(value) -> str | None:
-    """``torch.compile`` mode of a run: None (eager) for False/None/"none", "default" for True, else a mode name."""
-    if value in (None, False, "none", "eager"):
-        return None
-    if value is True:
-        return "default"
-    if value not in COMPILE_MODES:
-        raise ValueError(f"compile: expected a bool or one of {COMPILE_MODES}, got {value!r}")
-    return value
 
 
 def optimizer_kwargs(opt: str, device: torch.device) -> dict:

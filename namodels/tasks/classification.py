@@ -37,6 +37,7 @@ from ..data.datamodule import epoch_seed
 from ..data.decoding import UnreadableFiles
 from ..utils.checks import check_choice, check_range
 from .options import merged_options, plain
+from ..compilation import compile_mode
 from .models import create_model, export_weights
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class ClassificationModule(pl.LightningModule):
 
     def __init__(self, model: dict, num_classes: int, optimizer: dict | None = None,
                  scheduler: dict | None = None, mixup: dict | None = None, label_smoothing: float = 0.0,
-                 ema: dict | None = None, compile: bool = False, seed: int = 0, data: dict | None = None):
+                 ema: dict | None = None, compile: bool | str = False, seed: int = 0, data: dict | None = None):
         super().__init__()
         check_range("data.num_classes", num_classes, 1, integer=True)
         model_cfg = dict(plain(model))
@@ -94,7 +95,8 @@ class ClassificationModule(pl.LightningModule):
         # Plain containers only: checkpoints stay loadable with torch.load(weights_only=True).
         self.save_hyperparameters(dict(
             model=model_cfg, num_classes=int(num_classes), optimizer=opt, scheduler=sched, mixup=mix,
-            label_smoothing=float(label_smoothing), ema=ema_cfg, compile=bool(compile), seed=int(seed),
+            label_smoothing=float(label_smoothing), ema=ema_cfg, compile=compile_mode(compile) or False,
+            seed=int(seed),
             data=plain(data),
         ))
         self.backend = model_cfg.get("backend")
@@ -102,8 +104,9 @@ class ClassificationModule(pl.LightningModule):
         self.data_config = resolve_model_data_config(self.model)
         self.ema = ModelEmaV3(self.model, decay=ema_cfg["decay"], use_warmup=ema_cfg["warmup"]) \
             if ema_cfg["enabled"] else None
-        if compile:
-            self.model.compile()  # in place: parameter names (and checkpoints) stay the same
+        mode = compile_mode(compile)
+        if mode:  # in place: parameter names (and checkpoints) stay the same
+            self.model.compile(mode=mode)
 
         self.mixup_fn = None
         if mix["mixup_alpha"] > 0 or mix["cutmix_alpha"] > 0 or mix["cutmix_minmax"] is not None:
