@@ -498,3 +498,19 @@ def test_torch_compile_nat_mini_inductor():
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True)
         assert rel_err(compiled(x), expected) < REL_TOL
+
+
+def test_fast_norm_swaps_every_layernorm_and_keeps_weights():
+    """``fast_norm=True`` builds every LayerNorm (stem, blocks, downsamplers, final) on the Triton kernel, with the
+    same state_dict, so checkpoints load either way; on CPU it computes what torch's LayerNorm does."""
+    from ops.layer_norm import LayerNorm as FastLayerNorm
+
+    fast = timm.create_model("dinat_mini", fast_norm=True, backend="naive", **TINY_DINAT_LS).eval()
+    plain = timm.create_model("dinat_mini", backend="naive", **TINY_DINAT_LS).eval()
+    norms = [m for m in plain.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms and sum(isinstance(m, FastLayerNorm) for m in fast.modules()) == len(norms)
+    assert not any(isinstance(m, FastLayerNorm) for m in plain.modules())
+    plain.load_state_dict(fast.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), plain(x))
