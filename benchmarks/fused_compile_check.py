@@ -98,6 +98,17 @@ def window_constexprs(rank, q_tile, kv_tile, d, dv, rpb=False, causal=(False, Fa
                 BLOCK_D=d, BLOCK_DV=dv, HAS_RPB=rpb, IDX64=False)
 
 
+def launcher_defaults(fn, constexprs):
+    """``constexprs`` plus the launcher's bf16 values of those the cases do not vary (where the kernel has them):
+    Triton's default dot precision, and the rows per step of the window-offset loops (``launch.gather_rows``)."""
+    extra = {}
+    if "PREC" in fn.arg_names:
+        extra["PREC"] = "tf32"
+    if "GATHER_ROWS" in fn.arg_names:
+        extra["GATHER_ROWS"] = max(2, 128 // max(constexprs["BLOCK_D"], constexprs["BLOCK_DV"]))
+    return dict(constexprs, **extra)
+
+
 CASES = {
     "fwd-1d-d128": (kernels.na_fwd_kernel, window_constexprs(1, (1, 1, 128), (1, 1, 64), 128, 128), 8, 3),
     "fwd-2d-d32-rpb": (kernels.na_fwd_kernel, window_constexprs(2, (1, 8, 16), (1, 8, 8), 32, 32, True), 4, 3),
@@ -156,6 +167,7 @@ def main(names):
             constexprs = dict(constexprs, HOST_DESC=name.endswith("-host"))
         if fn is not kernels.na_bwd_drpb_kernel:
             constexprs = dict(constexprs, TMA=bool(tma and tma[0]))
+        constexprs = launcher_defaults(fn, constexprs)
         try:
             regs, spill, extra = compile_one(fn, constexprs, num_warps=warps, num_stages=stages)
             extra = " ".join(f"{k}={v}" for k, v in extra.items())

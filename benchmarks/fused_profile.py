@@ -7,15 +7,11 @@ around them) averaged over a few profiled iterations after warm-up: which part o
 to work on next.
 """
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from ops.bench import standard_problems  # noqa: E402
+from ops.bench import standard_problems
 
 
 def main():

@@ -9,9 +9,8 @@ kernel is compiled the way the launcher's call compiles it: integer arguments eq
 multiples of 16 carry the divisibility hint, so the counts match the code that runs.  For each basic block the script
 prints its instruction count, whether it sits inside a loop (between a backward branch and its target) and its most
 frequent opcodes; the sum over a loop's blocks is the static cost of one step.  Static counts are an upper bound on a
-step's dynamic count where a block is branched around (masks of unmasked tiles).  Session 8 found two integer
-divisions per loop step this way (RESULTS.md).  A last line gives ptxas' registers and spills, the shared memory, and
-the programs an H100 SM holds by each limit (session 9 found 3d-causal 96 bytes of shared memory short of a fourth).
+step's dynamic count where a block is branched around (masks of unmasked tiles).  A last line gives ptxas'
+registers and spills, the shared memory, and the programs an H100 SM holds by each limit.
 Like ``fused_compile_check.py`` it loads the kernels without importing ``ops`` (no torch), so an environment with
 the device's Triton version can run it.
 """
@@ -191,6 +190,7 @@ def main():
         groups = [-(-L // dl) for L, dl in zip(spatial, dilation)]
         constexprs.update(BISECT=max(g.bit_length() for g in groups), QUERY_ROWS=math.prod(q_tile) >= 64,
                           HOST_DESC=args.tma and args.host_desc, MASK_IN_DOT=args.mask_in_dot)
+    constexprs = cc.launcher_defaults(fn, constexprs)
     ints = int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer)
     sass, compiled = build(fn, constexprs, ints, args.warps, args.stages, args.maxnreg, cc)
     report(sass)

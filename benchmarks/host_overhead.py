@@ -9,18 +9,14 @@ prepared arguments, ``scaled_dot_product_attention`` and one ``torch.add`` for s
 NAT-Tiny forward at batch 1 (fused vs its dense-SDPA twin).
 """
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import ops  # noqa: E402
-from ops.fused import launch  # noqa: E402
-from ops.functional import make_params  # noqa: E402
+import ops
+from ops.fused import launch
+from ops.functional import make_params
 
 
 def per_call_us(fn, calls):

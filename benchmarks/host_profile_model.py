@@ -4,17 +4,13 @@
 """
 import argparse
 import cProfile
-import os
 import pstats
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import timm
+import torch
 
-import timm  # noqa: E402
-import torch  # noqa: E402
-
-import namodels  # noqa: E402,F401
-from namodels.benchmark.models import force_backend, swap_dense_attention  # noqa: E402
+import namodels  # noqa: F401
+from namodels.benchmark.models import force_backend, swap_dense_attention
 
 
 def main():

@@ -8,19 +8,16 @@ is pointed at each variant's module in turn, its plans cleared, and ``ops.bench`
 ``do_bench`` (median of each round; medians over rounds reported).  Every variant's output (and gradients with
 ``--backward``) is compared with the base's (max abs difference), and one that differs by more than 1e-2 is flagged.
 ``--set launch.X=V`` / ``rpb_grad.X=V`` sets a module constant for variants named ``NAME@set`` (the same source);
-``--force NAME:fwd=64,64,4,2,1,128`` pins variant NAME's kernel to an ``autotune.Config`` (MAXNREG 0: none).
-Sessions 11 and 12 ran it from their results folders (session 12 added ``--force``); RESULTS.md quotes them."""
+``--force NAME:fwd=64,64,4,2,1,128`` pins variant NAME's kernel to an ``autotune.Config`` (MAXNREG 0: none)."""
 import argparse
 import importlib.util
 import statistics
-import sys
 
 import torch
 import triton.testing
 
-sys.path.insert(0, ".")
-from ops import bench  # noqa: E402
-from ops.fused import autotune, launch, rpb_grad  # noqa: E402
+from ops import bench
+from ops.fused import autotune, launch, rpb_grad
 
 
 def load(name, path):

@@ -3,21 +3,17 @@
     python benchmarks/model_profile.py nat_tiny --backend fused [--batch 128] [--autotune] [--train]
 
 Prints the step time (CUDA events, median) and the kernels that take most of it, grouped so that
-the NA kernels' share is visible next to the linear layers, norms and copies.  Used to find why a
-model is slower than its dense-attention twin (issue 8).
+the NA kernels' share is visible next to the linear layers, norms and copies.  It shows why a
+model is slower than its dense-attention twin.
 """
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import timm
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import timm  # noqa: E402
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-import namodels  # noqa: E402,F401  (registers the models)
-from namodels.benchmark.models import force_backend, swap_dense_attention  # noqa: E402
+import namodels  # noqa: F401  (registers the models)
+from namodels.benchmark.models import force_backend, swap_dense_attention
 
 
 def main():

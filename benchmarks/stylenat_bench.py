@@ -23,10 +23,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import ops  # noqa: E402
-from namodels.models.stylenat import StyleNATGenerator  # noqa: E402
+import ops
+from namodels.models.stylenat import StyleNATGenerator
 
 TINY = dict(channels=[32, 32, 16, 16], style_dim=16, n_mlp=2)
 

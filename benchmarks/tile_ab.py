@@ -21,16 +21,12 @@ two captures of the problem.
 import argparse
 import dataclasses
 import math
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from ops.bench import standard_problems  # noqa: E402
-from ops.fused import autotune, launch as fused_launch  # noqa: E402
+from ops.bench import standard_problems
+from ops.fused import autotune, launch as fused_launch
 
 
 def parse_variant(text: str):

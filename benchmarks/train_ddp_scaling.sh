@@ -1,12 +1,10 @@
 #!/bin/bash
-# NAT-Mini training throughput on 1 GPU and on 2 GPUs (DDP, bf16, synthetic 224x224 tensors), through
-# train.py exactly as users run it.  Device run (nvidia-h200-x2), carry [".whl"] (from
-# /work/shared/device/wheels.sh: hydra-core, omegaconf, antlr4):
-#   [BACKEND=gemm] bash benchmarks/train_ddp_scaling.sh [batches per process]
+# DDP scaling of a real training run: NAT-Mini training throughput through train.py (synthetic 224x224 tensors, bf16,
+# the ImageNet recipe) on 1 GPU and on 2 GPUs, and their ratio.  Needs a machine with 2 GPUs.
+# Usage (repo root, after `pip install -e .`): [BACKEND=fused|gemm|...] bash benchmarks/train_ddp_scaling.sh [batches per process]
 set -uo pipefail
+# NVLink multicast (NVLS) off: some hosts cannot use it
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BATCHES=${1:-100}
 nvidia-smi -L

@@ -1,10 +1,10 @@
-"""Op benchmark: NA backends beside dense SDPA on the DESIGN.md problem set (one GPU, one run).
+"""Op benchmark: NA backends beside dense SDPA on a standard problem set (one GPU, one run).
 
     python -m ops.bench                              # forward, bf16, every problem, fused/flex/naive
     python -m ops.bench --backward                   # forward + backward
     python -m ops.bench --problems nat-s1,2d-flux --backends fused,flex
     python -m ops.bench --custom "mine:2,8,64,64x64,13x13,1,1,0"   # name:B,H,D,spatial,K,stride,dilation,causal
-    python -m ops.bench --out benchmarks/op_bench    # writes op_bench.csv and op_bench.json
+    python -m ops.bench --out results/op_bench       # writes op_bench.csv and op_bench.json
     python -m ops.bench --rounds 5 --rep 300         # SDPA and the backends timed in 5 alternating rounds
 
 Per problem and backend: median ms (CUDA events through ``triton.testing.do_bench``; with ``--rounds N`` the median
@@ -79,7 +79,8 @@ class BenchProblem:
 
 
 def standard_problems() -> list[BenchProblem]:
-    """DESIGN.md's problem set (plus the stride variants and nat-s1 with RPB for the backward)."""
+    """The standard problem set (table in ``docs/fused.md``): long 1-D / 2-D / 3-D windows with their stride
+    variants, a causal 3-D problem, and NAT / DiNAT stage shapes (with RPB for the backward)."""
     P = BenchProblem
     return [
         P("1d-32k", 1, 16, 128, (32768,), (2048,)),
@@ -134,7 +135,7 @@ def time_alternating(fns: dict, rounds: int, bench) -> tuple[dict, dict]:
     """``({name: [ms per round]}, {name: error})``: every function timed once per round, in the same order each
     round; one that raises is reported and left out of the later rounds.
 
-    SDPA's own time moved 3-7% between device calls (RESULTS.md, sessions 7-8), so a baseline timed once, before
+    SDPA's own time moves by several percent between processes on one GPU, so a baseline timed once, before
     the backends, carries the clock's drift into every speedup and E; alternating rounds spread it over all of them
     and the medians over the rounds drop the outliers."""
     times, errors = {name: [] for name in fns}, {}

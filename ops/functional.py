@@ -49,7 +49,7 @@ def _cache_key(value):
 
 
 def make_params(spatial: Sequence[int], kernel_size, stride=1, dilation=1, is_causal=False) -> NAParams:
-    """Validates window arguments against a spatial shape (DESIGN.md constraints)."""
+    """Validates window arguments against a spatial shape (the constraints of ``docs/semantics.md``)."""
     if torch.compiler.is_compiling():  # traced once; a cache lookup would add a guard on the cache's size
         return _validate_params(spatial, kernel_size, stride, dilation, is_causal)
     try:

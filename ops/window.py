@@ -1,6 +1,6 @@
 """Neighborhood window rules as index math: the single source every backend imports.
 
-The rules (DESIGN.md, identical to NATTEN >= 0.20), per spatial axis of length ``L`` with
+The rules (``docs/semantics.md``, identical to NATTEN >= 0.20), per spatial axis of length ``L`` with
 kernel ``K``, stride ``s``, dilation ``d`` and a causal flag:
 
 * query ``i`` and key ``j`` interact only inside one dilation group: ``i % d == j % d``;

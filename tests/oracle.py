@@ -1,4 +1,4 @@
-"""Test oracle: dense O(N^2) masked attention built straight from the DESIGN.md rules.
+"""Test oracle: dense O(N^2) masked attention built straight from the rules of docs/semantics.md.
 
 Deliberately independent of ``ops.window``: plain Python loops over (query, key) pairs, so a bug
 in the shared window module cannot hide behind an oracle that shares it.
@@ -14,7 +14,7 @@ import torch
 
 
 def _axis_keys(i: int, L: int, K: int, s: int, d: int, causal: bool):
-    """Key indices (original coordinates) admitted for query i on one axis, straight from DESIGN.md."""
+    """Key indices (original coordinates) admitted for query i on one axis, straight from docs/semantics.md."""
     g = i % d
     ip = i // d
     Lg = L // d + (1 if g < L % d else 0)
@@ -113,7 +113,7 @@ class RandomProblem:
 
 
 def random_axis(rng: random.Random, max_length: int = 40) -> tuple[int, int, int, int, bool]:
-    """One valid axis ``(L, K, s, d, causal)``: any length, dilation, kernel and stride DESIGN.md allows."""
+    """One valid axis ``(L, K, s, d, causal)``: any length, dilation, kernel and stride docs/semantics.md allows."""
     L = rng.randint(1, max_length)
     d = rng.randint(1, L)
     K = rng.randint(1, L // d)

@@ -1,6 +1,6 @@
 """Independent reference forward of the official NAT / DiNAT / DiNAT_s classifiers.
 
-Written from the facts in /work/shared/reference/MODELS.md and the official code's behaviour, with
+Written from the facts in docs/models.md and the official code's behaviour, with
 plain tensor ops on a *state dict* (official key names) -- no namodels module, no ops backend.  It
 stands in for the original implementation, which cannot be downloaded here.
 

@@ -59,7 +59,7 @@ def test_axis_loop_counts_the_kernel_loops(inverse):
 def test_exact_model_beats_the_closed_form_on_3d_hunyuan():
     # 30 frames with a window of 18: clamped windows pile up on the short axis.  The closed form picked
     # (2, 4, 8) keys x (1, 4, 32) queries for dK/dV; the exact count picks a tile that computes ~11% fewer
-    # pairs (H100: dK/dV 145.5 -> 130.4 ms, RESULTS.md session 7).
+    # pairs (and runs faster: docs/fused.md, "Tiling").
     axes = [tiles.Axis(30, 18, 1), tiles.Axis(48, 24, 1), tiles.Axis(80, 24, 1)]
     old = tiles.pairs_computed(axes, (2, 4, 8), (1, 4, 32), inverse=True)
     outer, inner = tiles.choose_tiles(axes, 64, 128, inverse=True)

@@ -1,10 +1,10 @@
-"""A full model training step on the GPU, per backend (issue 4: "a NAT-Mini training step runs on
-`fused` and matches `naive` gradients within bf16 tolerance").
+"""A full model training step on the GPU, per backend: a NAT-Mini training step runs on `fused` and matches
+`naive`'s gradients within bf16 tolerance.
 
 The reference is the same step in float32 on `naive` (TF32 off). Both bf16 runs (naive and fused)
 carry bf16 rounding error against it; fused passes when its error is no worse than naive's own
 bf16 error plus a small margin, so the tolerance is measured, not guessed.
-Run on the device: ``pytest -m gpu tests/test_gpu_training.py``.
+Run on a CUDA machine: ``pytest -m gpu tests/test_gpu_training.py``.
 """
 from __future__ import annotations
 

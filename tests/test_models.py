@@ -141,7 +141,7 @@ def test_pretrained_cfgs():
 
 @pytest.mark.parametrize("H,W,K,dh,dw", [(7, 9, 3, 1, 2), (13, 11, 3, 4, 3), (14, 14, 7, 2, 1), (21, 17, 5, 4, 3)])
 def test_reference_attention_matches_dense_oracle(H, W, K, dh, dw):
-    """The reference's closed-form (old NATTEN kernel) windows equal the DESIGN.md rules."""
+    """The reference's closed-form (old NATTEN kernel) windows equal the rules of docs/semantics.md."""
     g = torch.Generator().manual_seed(H * W + K)
     q, k, v = (torch.randn(2, H, W, 3, 4, generator=g, dtype=torch.float64) for _ in range(3))
     rpb = torch.randn(3, 2 * K - 1, 2 * K - 1, generator=g, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Model throughput per neighborhood-attention backend (issue 8); importable without Hydra.
+"""Model throughput per neighborhood-attention backend; importable without Hydra.
 
 * :func:`~namodels.benchmark.throughput.measure_throughput`: one row for any model factory + input factory;
 * :func:`~namodels.benchmark.throughput.run_benchmarks` / ``python -m namodels.benchmark.throughput``: a

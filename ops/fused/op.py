@@ -68,8 +68,8 @@ def _setup_context(ctx, inputs, output):
 def _gradients(saved, d_out, d_lse, needs_input_grad, compute):
     """(dq, dk, dv, drpb or None) from the saved tensors: the part both autograd paths share.
     ``compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb)`` runs the backward
-    kernels.  dRPB is skipped when the bias needs no gradient (a frozen RPB while fine-tuning): on
-    small windows its kernel is the largest of the backward (RESULTS.md, session 2)."""
+    kernels.  dRPB is skipped when the bias needs no gradient (a frozen RPB while fine-tuning), which saves the
+    dQ kernel's dS stores and their reduction, a large share of a small-window backward."""
     q, k, v, rpb, out, lse = saved
     if d_out is None:
         d_out = torch.zeros_like(out)
@@ -98,7 +98,7 @@ class _EagerFusedNA(torch.autograd.Function):
 
     A custom op call costs tens of microseconds of Python (schema checks, dispatcher, dynamo guards);
     a NAT-Tiny forward makes 30 NA calls, and at 14x14 / 7x7 maps the kernels take less time than
-    that, so eager models were host-bound (benchmarks/RESULTS.md, session 3).  Eager calls take this
+    that, so eager models were host-bound (docs/fused.md, "Launch planning").  Eager calls take this
     path; traced code (torch.compile, export, functorch transforms) takes the custom ops.
     """
 

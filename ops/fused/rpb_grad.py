@@ -2,8 +2,8 @@
 
 dRPB[h, r] sums dS(i, j) over every batch element and every (query i, key j) pair whose relative offset is r.
 In the kernels' [queries, keys] tiles those pairs lie on diagonals, which Triton cannot reduce cheaply; a pass
-that gathers one key row per query and offset (``na_bwd_drpb_kernel``) re-reads K and V once per offset, about
-1.3 ms of nat-s1-rpb's 2.0 ms fwd+bwd on an H100 (RESULTS.md, session 10).
+that gathers one key row per query and offset (``na_bwd_drpb_kernel``) re-reads K and V once per offset, which
+made it most of a small-window RPB backward (numbers in docs/fused.md).
 
 Here the dQ kernel, which computes dS anyway, writes it in window layout: ``ds[b, token, h, slot]``, slot = the
 key's row-major position in the query's window.  In that layout the offset of (query, slot) is, per axis, a fixed
