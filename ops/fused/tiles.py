@@ -13,10 +13,10 @@ formulas, ``ops/window.py``):
   the last one reaching ``k0 + U - 1`` in steps of ``T``.
 
 An inner tile needs a mask on an axis unless it lies inside every query's window there; those masks
-are the second cost (``MASK_COST``).  A closed form such as ``K + T - 1`` positions per tile was
-used until session 7: it undercounts where clamped windows pile up (an axis shorter than ``2 K``,
-as in 3d-hunyuan's 30 frames with a window of 18), and it picked a dK/dV tile that computes 12%
-more pairs than the best one on 3d-hunyuan.
+are the second cost (``MASK_COST``).  A closed form such as ``K + T - 1`` positions per tile is not
+enough: it undercounts where clamped windows pile up (an axis shorter than ``2 K``, as in 3d-hunyuan's
+30 frames with a window of 18), and there it picks a dK/dV tile that computes 12% more pairs than the
+best one (``docs/fused.md``, "Tiling").
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from ops.window import axis_window
 MIN_DOT = 16  # tl.dot needs every matrix side >= 16
 
 # Cost of masking an inner tile on one axis, relative to computing its pairs: the border masks of
-# the 3-D forward cost about 11% at ~1.2 masked axes per tile (RESULTS.md, session 5).
+# the 3-D forward cost about 11% of its time at ~1.2 masked axes per tile (H100).
 MASK_COST = 0.1
 
 

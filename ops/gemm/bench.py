@@ -1,4 +1,4 @@
-"""Timing of backend ``gemm`` against ``naive`` (issue 5's acceptance numbers).
+"""Timing of backend ``gemm`` against ``naive`` on the same inputs (speedup of the unfused GEMMs over the gather baseline).
 
     python -m ops.gemm.bench cpu                      # NAT-Mini stage 1, batch 8, float32 forward
     python -m ops.gemm.bench cuda [--json out.json]   # nat-s1, dinat-s1, 2d-flux; bf16 / fp32; fwd, fwd+bwd
