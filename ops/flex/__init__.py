@@ -5,13 +5,17 @@ and a block mask (cached per problem) so fully-masked 128x128 blocks are skipped
 block sparsity wastes most of its work on 2-D/3-D windows, which is what the ``fused`` backend
 fixes.  On CUDA the attention runs through ``torch.compile`` (flex's fast path); on CPU it runs
 eagerly unless ``ops.flex.COMPILE_ON_CPU`` is set (compiling costs seconds per new shape).
+
+flex multiplies whole blocks (CUDA) or the whole score matrix (CPU's eager reference) by the values, where a
+zero weight outside a window times a NaN (or infinite) value is NaN; a call whose values hold one runs again
+with them left out and marks the outputs whose windows hold one (``_contain_nonfinite``).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import warnings
+import threading
 
 import torch
 
@@ -33,6 +37,10 @@ except ImportError:
 
 COMPILE_ON_CPU = False
 BLOCK_SIZE = 128
+# Check every call's values for NaN / inf (one reduction over them; on CUDA a wait for the device, so that the rare
+# call holding one can be run again); off, such a value reaches every row of the blocks that load it.  Skipped while
+# torch.compile traces the call or a CUDA graph captures it (neither can branch on data).
+CONTAIN_NONFINITE = True
 # Compiled variants of flex_attention this backend lets dynamo keep.  Every NA problem (shape, window,
 # dtype, grad mode) is its own compiled graph (``dynamic=False``): a 4-stage NAT used for training and
 # evaluation already needs 8, dynamo's default limit, past which it silently runs flex *uncompiled*
@@ -173,17 +181,56 @@ def _run_flex_eager_cpu(q, k, v, score_mod, block_mask, scale, gqa):
     new per problem, so each call would re-trace (about a second).  flex's debug switch runs the
     plain PyTorch reference instead, which is exactly what the eager CPU path computes anyway; it
     has no backward, which CPU flex lacks regardless (``unsupported`` refuses gradients on CPU).
+    With the switch on, flex does not warn about running uncompiled either.
     """
-    previous = _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
-    _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    with _reference_mode():
+        with torch.no_grad():  # flex refuses CPU inputs that require grad, even under no_grad
+            q, k, v = q.detach(), k.detach(), v.detach()
+            return _call(flex_attention, q, k, v, score_mod, block_mask, scale, gqa)
+
+
+_reference_lock = threading.Lock()
+_reference_users = 0
+_reference_flag_before = False
+
+
+@contextlib.contextmanager
+def _reference_mode():
+    """flex's debug switch on for the calls inside.  The switch is one flag for the whole process, so calls from
+    several threads share it: the first to enter sets it, the last to leave puts back the value the first found (a
+    set-and-restore per call would leave it on when two calls overlap and the earlier one leaves first)."""
+    global _reference_users, _reference_flag_before
+    with _reference_lock:
+        if _reference_users == 0:
+            _reference_flag_before = _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+            _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        _reference_users += 1
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            with torch.no_grad():  # flex refuses CPU inputs that require grad, even under no_grad
-                q, k, v = q.detach(), k.detach(), v.detach()
-                return _call(flex_attention, q, k, v, score_mod, block_mask, scale, gqa)
+        yield
     finally:
-        _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = previous
+        with _reference_lock:
+            _reference_users -= 1
+            if _reference_users == 0:
+                _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = _reference_flag_before
+
+
+def _holds_nonfinite(v: torch.Tensor) -> bool:
+    """Whether ``v`` holds a NaN or an infinity, where the answer may steer the call (see ``CONTAIN_NONFINITE``)."""
+    if not CONTAIN_NONFINITE or torch.compiler.is_compiling():
+        return False
+    if v.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return not bool(torch.isfinite(v).all())
+
+
+def _contain_nonfinite(q, k, v, score_mod, block_mask, scale, gqa):
+    """The output of a call whose values hold NaN / inf, with each such value reaching exactly the outputs whose
+    windows hold it: the attention of the values with those entries zeroed, NaN where a window holds one (found by a
+    second call with equal scores, so every admitted key weighs, over a 0 / 1 map of the bad entries)."""
+    bad = ~torch.isfinite(v)
+    out, _ = _run_flex(q, k, v.masked_fill(bad, 0.0), score_mod, block_mask, scale, gqa)
+    hits, _ = _run_flex(torch.zeros_like(q), torch.zeros_like(k), bad.to(v.dtype), None, block_mask, 1.0, gqa)
+    return out.masked_fill(hits > 0, float("nan"))
 
 
 class FlexBackend:
@@ -212,7 +259,10 @@ class FlexBackend:
         q, k, v = to_bhnd(q), to_bhnd(k), to_bhnd(v)
         if order is not None:  # tokens in dilation-group order (see group_order); undone on the outputs
             q, k, v = q[:, :, order], k[:, :, order], v[:, :, order]
-        out, lse = _run_flex(q, k, v, score_mod, _block_mask(params, q.device), scale, hq != hkv)
+        block_mask = _block_mask(params, q.device)
+        out, lse = _run_flex(q, k, v, score_mod, block_mask, scale, hq != hkv)
+        if _holds_nonfinite(v):  # checked after the launch: on CUDA the wait overlaps the attention
+            out = _contain_nonfinite(q, k, v, score_mod, block_mask, scale, hq != hkv)
         if order is not None:
             out, lse = out[:, :, inverse], lse[:, :, inverse]
         spatial = params.spatial

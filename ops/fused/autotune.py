@@ -8,8 +8,9 @@ elsewhere the same configuration runs with pointer loads.
 Lookup order for a problem:
 
 1. the in-memory / on-disk cache (JSON at ``$NAMODELS_FUSED_CACHE``, default
-   ``~/.cache/namodels/fused_tuning.json``), keyed by kernel, rank, sizes, window, dtype, head
-   dims, heads, batch, RPB, device name and ``CODE_VERSION`` (entries tuned on other code are ignored);
+   ``~/.cache/namodels/fused_tuning.json``), keyed by kernel, rank, sizes, window, dtype (float32 with its
+   matmul precision, ``dot_precision``), head dims, heads, batch, RPB, device name and ``CODE_VERSION`` (entries
+   tuned on other code are ignored);
 2. if tuning is on (``NAMODELS_FUSED_AUTOTUNE=1`` or ``set_autotune(True)``) and the inputs are on
    a GPU: time every candidate of the kernel on the real inputs (median of
    CUDA-graph replays, so small kernels are not timed at the host's launch speed), keep the
@@ -194,15 +195,52 @@ def _store(key: str, entry: dict) -> None:
             log.warning("fused autotune: cannot write %s: %s", path, err)
 
 
+# Triton's input precision of float32 matmuls per torch setting (``torch.set_float32_matmul_precision``): "highest"
+# asks for float32 results, which 3xTF32 gives on the tensor cores (each operand split into a TF32 head and tail, three
+# products; ~1e-7 relative, the gemm backend's float32 error on an H100) where an IEEE dot runs on the FMA units at a
+# fraction of the speed; "high" and "medium" allow TF32 (~1e-3).
+FP32_DOT_PRECISION = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+# 16-bit matmuls: Triton's default (the argument only matters for float32 operands)
+HALF_DOT_PRECISION = "tf32"
+
+
+def float32_matmul_setting() -> str:
+    """torch's float32 matmul precision ("highest", "high" or "medium").  torch >= 2.9 also sets it through
+    ``torch.backends.cuda.matmul.fp32_precision``; once a program used that API its legacy getter raises, and the new
+    one (with "none" inheriting from the backend-wide setting) says whether TF32 is allowed."""
+    import torch
+
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        for owner in (torch.backends.cuda.matmul, torch.backends.cuda, torch.backends):
+            value = getattr(owner, "fp32_precision", "none")
+            if value != "none":
+                return "high" if value == "tf32" else "highest"
+        return "highest"
+
+
+def dot_precision(dtype) -> str:
+    """The kernels' ``tl.dot`` input precision for inputs of ``dtype`` under torch's current setting."""
+    import torch
+
+    if dtype != torch.float32:
+        return HALF_DOT_PRECISION
+    return FP32_DOT_PRECISION[float32_matmul_setting()]
+
+
 def problem_key(kernel: str, q, k, v, params, has_rpb: bool) -> str:
     import torch
 
     device = torch.cuda.get_device_name(q.device) if q.is_cuda else str(q.device)
+    dtype = str(q.dtype).replace("torch.", "")
+    if q.dtype == torch.float32:  # timed with its matmul precision (3xTF32 runs three products per TF32 one)
+        dtype = f"{dtype}-{dot_precision(q.dtype)}"
     return "|".join(
         str(x)
         for x in (
             kernel, params.rank, params.spatial, params.kernel_size, params.stride, params.dilation,
-            params.is_causal, str(q.dtype).replace("torch.", ""), q.shape[-1], v.shape[-1], q.shape[-2],
+            params.is_causal, dtype, q.shape[-1], v.shape[-1], q.shape[-2],
             k.shape[-2], q.shape[0], int(has_rpb), device, f"v{CODE_VERSION}",
         )
     )
@@ -276,8 +314,8 @@ def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True,
     if kernel in _forced:
         return resolve(_forced[kernel], params, kernel)
     # Host time matters for small problems: one dict lookup per launch once a problem was seen.
-    memo_key = (kernel, params, q.dtype, tuple(q.shape), k.shape[-2], v.shape[-1], has_rpb, q.device,
-                tunable and autotune_enabled(), tma, host_descriptors)
+    memo_key = (kernel, params, q.dtype, dot_precision(q.dtype), tuple(q.shape), k.shape[-2], v.shape[-1], has_rpb,
+                q.device, tunable and autotune_enabled(), tma, host_descriptors)
     launch = _memo.get(memo_key)
     if launch is None:
         launch = _memo[memo_key] = _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)

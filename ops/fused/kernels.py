@@ -23,6 +23,16 @@ Conventions shared by every kernel (see ``ops/fused/launch.py`` for the host sid
 * ``TMA`` (constexpr): the tiles a loop visits (K/V, or Q/dO in dK/dV, plus dK/dV's own K/V tile)
   come from device-side TMA descriptors, one per dilation group (``_group_descriptor``), instead of
   pointer tensors; the host sets it only where the GPU and the tensors allow it (``launch.tma_eligible``).
+* ``PREC`` (constexpr): every ``tl.dot``'s input precision, which matters for float32 inputs only; the host
+  follows torch's float32 matmul setting (``autotune.dot_precision``: 3xTF32 at "highest", TF32 below).
+* Non-finite inputs stay in the windows that hold them.  A matmul over a box multiplies every (row, key)
+  pair, and a zero weight outside a row's window times a NaN (or an infinity) is NaN, so one bad key or
+  value reaches every row of the tiles that load it; no select on the weights can prevent that (the
+  product itself is NaN), and cleaning the operands on every box would cost the loops.  So the loops stay
+  as they are; after its loop a program checks its result (``_holds_nonfinite``, one sum) and only where
+  that holds a NaN or an infinity computes its rows again, one window offset at a time (``*_by_offset``:
+  each row gathers its own key per offset, so nothing outside a window enters a row).  Slow, but only for
+  the programs that meet bad values.
 """
 import triton
 import triton.language as tl
@@ -193,15 +203,15 @@ def _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT
 
 @triton.jit
 def _scores(a, b, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0: tl.constexpr, ACT1: tl.constexpr,
-            TRANSPOSED: tl.constexpr, MASK_IN_DOT: tl.constexpr):
+            TRANSPOSED: tl.constexpr, MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr):
     """The unscaled score tile ``a @ b^T`` ([queries, keys], or [keys, queries] when ``TRANSPOSED``), started from the
     window bias where ``MASK_IN_DOT``: then it is already -inf outside each query's window and the caller skips
     ``_mask_outside``."""
     if MASK_IN_DOT:
         s = tl.dot(a, tl.trans(b), _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1,
-                                                TRANSPOSED))
+                                                TRANSPOSED), input_precision=PREC)
     else:
-        s = tl.dot(a, tl.trans(b))
+        s = tl.dot(a, tl.trans(b), input_precision=PREC)
     return s
 
 
@@ -287,11 +297,11 @@ def _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2):
 def _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
                       in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2, stop2,
                       U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, ACT0: tl.constexpr, ACT1: tl.constexpr,
-                      HAS_RPB: tl.constexpr, MASK_IN_DOT: tl.constexpr):
+                      HAS_RPB: tl.constexpr, MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr):
     """The backward's [queries, keys] probabilities, recomputed from the forward's lse (base 2), zero
     outside each query's window (``MASK_IN_DOT``: through the score matmul's initial value, ``qk_scale`` > 0)."""
     s = _scores(q, k, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, False,
-                MASK_IN_DOT) * qk_scale
+                MASK_IN_DOT, PREC) * qk_scale
     if HAS_RPB:
         ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
         s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
@@ -316,6 +326,223 @@ def _store_window_ds(base, ds, q_ok, q_tok, stride_token, kj0, kj1, kj2, start0,
 
 
 # ---------------------------------------------------------------------------------------------
+# Non-finite inputs: a program's rows again, one window offset at a time (see the top)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _holds_nonfinite(x):
+    """Whether a [rows, cols] tile holds a NaN or an infinity: ``x * 0`` is 0 for a finite ``x`` and NaN otherwise, and
+    a sum carries a NaN.  One pass over a program's result, against its loop's matmuls."""
+    return tl.sum(tl.sum(x * 0.0, 1), 0) != 0.0
+
+
+@triton.jit
+def _offset_range(ok, qc, start, stop):
+    """``(lo, n)``: the key - query offsets ``[lo, lo + n)`` spanned by the windows of the valid rows on one axis."""
+    big = 1 << 30
+    lo = tl.min(tl.where(ok, start - qc, big), 0)
+    hi = tl.max(tl.where(ok, stop - qc, -big), 0)
+    return lo, tl.maximum(hi - lo, 0)
+
+
+@triton.jit
+def _offset(t, lo0, lo1, lo2, n1, n2):
+    """The ``t``-th offset (row-major) of ``[lo0, lo0 + n0) x [lo1, lo1 + n1) x [lo2, lo2 + n2)``."""
+    return lo0 + t // (n2 * n1), lo1 + (t // n2) % n1, lo2 + t % n2
+
+
+@triton.jit
+def _offset_bias(RPB, h, o0, o1, o2, K0, K1, K2):
+    """rpb[h] (flat float32 table) at the relative offset (o0, o1, o2) = key - query, base-2 scaled; one scalar."""
+    w1 = 2 * K1 - 1
+    w2 = 2 * K2 - 1
+    rel = ((o0 + K0 - 1) * w1 + (o1 + K1 - 1)) * w2 + (o2 + K2 - 1)
+    return tl.load(RPB + h * ((2 * K0 - 1) * w1 * w2) + rel) * 1.4426950408889634
+
+
+@triton.jit
+def _sub_rows(first, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, SUB: tl.constexpr):
+    """Per-axis coordinates of rows ``first .. first + SUB - 1`` of a row-major (T0, T1, T2) tile."""
+    r = first + tl.arange(0, SUB)
+    return r // (T1 * T2), (r // T2) % T1, r % T2
+
+
+@triton.jit
+def _attend_by_offset(Q, Kp, V, RPB, O, LSE, q_base, k_base, v_base, o_base, l_base, sqt, skt, svt, sot, slt, h,
+                      tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
+                      HEAD_DIM, VALUE_DIM, qk_scale, CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr,
+                      CAUSAL2: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, SUB: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
+                      STORE_LSE: tl.constexpr):
+    """The forward of the program's query tile, ``SUB`` rows at a time, stored to O (and LSE): each row's online
+    softmax over its own window, one gathered key and value per row and offset (a key outside a row's window is
+    never loaded for it)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < VALUE_DIM
+    for first in tl.range(0, T0 * T1 * T2, SUB, num_stages=1):
+        r0, r1, r2 = _sub_rows(first, T0, T1, T2, SUB)
+        ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
+        ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
+        ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
+        q_ok = ok0 & ok1 & ok2
+        q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+        q = tl.load(Q + q_base + q_tok[:, None] * sqt + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        lo0, n0 = _offset_range(q_ok, qc0, start0, stop0)
+        lo1, n1 = _offset_range(q_ok, qc1, start1, stop1)
+        lo2, n2 = _offset_range(q_ok, qc2, start2, stop2)
+        m_i = tl.full([SUB], float("-inf"), tl.float32)
+        l_i = tl.zeros([SUB], tl.float32)
+        acc = tl.zeros([SUB, BLOCK_DV], tl.float32)
+        for t in tl.range(0, n0 * n1 * n2, num_stages=1):
+            o0, o1, o2 = _offset(t, lo0, lo1, lo2, n1, n2)
+            kj0 = qc0 + o0
+            kj1 = qc1 + o1
+            kj2 = qc2 + o2
+            adm = q_ok & (kj0 >= start0) & (kj0 < stop0) & (kj1 >= start1) & (kj1 < stop1)
+            adm = adm & (kj2 >= start2) & (kj2 < stop2)
+            k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+            k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=adm[:, None] & d_ok[None, :],
+                        other=0.0).to(tl.float32)
+            v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=adm[:, None] & dv_ok[None, :],
+                        other=0.0).to(tl.float32)
+            s = tl.sum(q * k, 1) * qk_scale
+            if HAS_RPB:
+                s += _offset_bias(RPB, h, o0, o1, o2, K0, K1, K2)
+            s = tl.where(adm, s, float("-inf"))
+            m_new = tl.maximum(m_i, s)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use)
+            alpha = tl.math.exp2(m_i - m_use)
+            acc = acc * alpha[:, None] + p[:, None] * v  # outside the window p = 0 and v = 0
+            l_i = l_i * alpha + p
+            m_i = m_new
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past the group end (a NaN sum stays NaN)
+        tl.store(O + o_base + q_tok[:, None] * sot + offs_dv[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
+                 mask=q_ok[:, None] & dv_ok[None, :])
+        if STORE_LSE:
+            lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+            tl.store(LSE + l_base + q_tok * slt + h, lse.to(LSE.dtype.element_ty), mask=q_ok)
+
+
+@triton.jit
+def _dq_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DQ, q_base, k_base, v_base, do_base, l_base, g_base, sqt, skt, svt,
+                  sdt, slt, sgt, h, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2,
+                  D0, D1, D2, HEAD_DIM, VALUE_DIM, qk_scale, scale, CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr,
+                  CAUSAL2: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, SUB: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr):
+    """dQ of the program's query tile, ``SUB`` rows at a time, stored to DQ: per row and window offset one gathered key
+    and value (``_attend_by_offset``'s order)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < VALUE_DIM
+    for first in tl.range(0, T0 * T1 * T2, SUB, num_stages=1):
+        r0, r1, r2 = _sub_rows(first, T0, T1, T2, SUB)
+        ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
+        ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
+        ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
+        q_ok = ok0 & ok1 & ok2
+        q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+        q = tl.load(Q + q_base + q_tok[:, None] * sqt + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        do = tl.load(DO + do_base + q_tok[:, None] * sdt + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :],
+                     other=0.0).to(tl.float32)
+        lse2 = tl.load(LSE + l_base + q_tok * slt + h, mask=q_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        delta = tl.load(DELTA + l_base + q_tok * slt + h, mask=q_ok, other=0.0).to(tl.float32)
+        lo0, n0 = _offset_range(q_ok, qc0, start0, stop0)
+        lo1, n1 = _offset_range(q_ok, qc1, start1, stop1)
+        lo2, n2 = _offset_range(q_ok, qc2, start2, stop2)
+        dq = tl.zeros([SUB, BLOCK_D], tl.float32)
+        for t in tl.range(0, n0 * n1 * n2, num_stages=1):
+            o0, o1, o2 = _offset(t, lo0, lo1, lo2, n1, n2)
+            kj0 = qc0 + o0
+            kj1 = qc1 + o1
+            kj2 = qc2 + o2
+            adm = q_ok & (kj0 >= start0) & (kj0 < stop0) & (kj1 >= start1) & (kj1 < stop1)
+            adm = adm & (kj2 >= start2) & (kj2 < stop2)
+            k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+            k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=adm[:, None] & d_ok[None, :],
+                        other=0.0).to(tl.float32)
+            v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=adm[:, None] & dv_ok[None, :],
+                        other=0.0).to(tl.float32)
+            s = tl.sum(q * k, 1) * qk_scale
+            if HAS_RPB:
+                s += _offset_bias(RPB, h, o0, o1, o2, K0, K1, K2)
+            p = tl.math.exp2(s - lse2)
+            ds = tl.where(adm, p * (tl.sum(do * v, 1) - delta), 0.0)
+            dq += ds[:, None] * k  # outside the window ds = 0 and k = 0
+        tl.store(DQ + g_base + q_tok[:, None] * sgt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+                 mask=q_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _axis_queries(kj, o, k_ok, Lg, K, s, CAUSAL: tl.constexpr):
+    """On one axis, for keys ``kj`` and the offset ``o`` = key - query: the queries ``kj - o`` (clamped into the group)
+    and whether each exists and holds its key in its window."""
+    qi = kj - o
+    qc = tl.minimum(tl.maximum(qi, 0), Lg - 1)
+    start = window_start(qc, Lg, K, s, CAUSAL)
+    holds = (qi >= 0) & (qi < Lg) & (kj >= start) & (kj < window_stop(qc, start, K, CAUSAL))
+    return qc, k_ok & holds
+
+
+@triton.jit
+def _dkdv_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV, b, hk, GROUP, sqb, sqt, sqh, skt, sdb, sdt, sdh, svt, slb,
+                    slt, skgt, svgt, k_base, v_base, kg_base, vg_base, k0, k1, k2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2,
+                    K0, K1, K2, S0, S1, S2, D0, D1, D2, HEAD_DIM, VALUE_DIM, qk_scale, scale,
+                    CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr, U0: tl.constexpr,
+                    U1: tl.constexpr, U2: tl.constexpr, SUB: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr):
+    """dK, dV of the program's key tile, ``SUB`` keys at a time, stored to DK / DV: per key, GQA head and offset
+    (key - query, within ``(-K, K)`` on each axis) one gathered query, kept where the key lies in its window."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < VALUE_DIM
+    for first in tl.range(0, U0 * U1 * U2, SUB, num_stages=1):
+        c0, c1, c2 = _sub_rows(first, U0, U1, U2, SUB)
+        kj0 = k0 + c0
+        kj1 = k1 + c1
+        kj2 = k2 + c2
+        k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
+        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+        k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
+                    other=0.0).to(tl.float32)
+        dk = tl.zeros([SUB, BLOCK_D], tl.float32)
+        dv = tl.zeros([SUB, BLOCK_DV], tl.float32)
+        for h in tl.range(hk * GROUP, hk * GROUP + GROUP, num_stages=1):
+            for o0 in tl.range(1 - K0, K0, num_stages=1):
+                qc0, adm0 = _axis_queries(kj0, o0, k_ok, Lg0, K0, S0, CAUSAL0)
+                for o1 in tl.range(1 - K1, K1, num_stages=1):
+                    qc1, adm1 = _axis_queries(kj1, o1, adm0, Lg1, K1, S1, CAUSAL1)
+                    for o2 in tl.range(1 - K2, K2, num_stages=1):
+                        qc2, adm = _axis_queries(kj2, o2, adm1, Lg2, K2, S2, CAUSAL2)
+                        q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+                        q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + q_tok[:, None] * sqt + offs_d[None, :],
+                                    mask=adm[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                        do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + q_tok[:, None] * sdt + offs_dv[None, :],
+                                     mask=adm[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+                        l_off = b.to(tl.int64) * slb + q_tok * slt + h
+                        lse2 = tl.load(LSE + l_off, mask=adm, other=0.0).to(tl.float32) * 1.4426950408889634
+                        delta = tl.load(DELTA + l_off, mask=adm, other=0.0).to(tl.float32)
+                        s = tl.sum(q * k, 1) * qk_scale
+                        if HAS_RPB:
+                            s += _offset_bias(RPB, h, o0, o1, o2, K0, K1, K2)
+                        p = tl.where(adm, tl.math.exp2(s - lse2), 0.0)
+                        dv += p[:, None] * do  # outside the window p = 0 and do = 0
+                        ds = tl.where(adm, p * (tl.sum(do * v, 1) - delta), 0.0)
+                        dk += ds[:, None] * q
+        tl.store(DK + kg_base + k_tok[:, None] * skgt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+                 mask=k_ok[:, None] & d_ok[None, :])
+        tl.store(DV + vg_base + k_tok[:, None] * svgt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+                 mask=k_ok[:, None] & dv_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
 @triton.jit
@@ -330,9 +557,10 @@ def na_fwd_kernel(
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     FOLD_SCALE: tl.constexpr, TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_LSE: tl.constexpr,
-    MASK_IN_DOT: tl.constexpr,
+    MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr,
 ):
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (see ``_kv_sources``), else unused.
+    # GATHER_ROWS: rows per step of ``_attend_by_offset`` (programs whose result holds a NaN / inf; see the top).
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2, ACT0, ACT1)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -386,7 +614,8 @@ def na_fwd_kernel(
         k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
         # MASK_IN_DOT: the window mask is the score matmul's initial value, on every box (see launch.py)
-        s = _scores(q, k, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, False, MASK_IN_DOT)
+        s = _scores(q, k, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, False, MASK_IN_DOT,
+                    PREC)
         if FOLD_SCALE:  # scale > 0, no bias: max of the raw logits, the scale folded into exp2's FMA
             s_scale = qk_scale
         else:
@@ -404,7 +633,7 @@ def na_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         # rescale, then accumulate in the matmul itself (no second accumulator and add)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
 
     # Every query sees at least one key, so l_i > 0 on every row that is stored; rows of a program past the end of
@@ -413,16 +642,28 @@ def na_fwd_kernel(
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_i)[:, None]  # one reciprocal per row: a division per element costs ~8 instructions
     o_base = b.to(tl.int64) * sob + h * soh
-    tl.store(O + o_base + q_tok[:, None] * sot + offs_dv[None, :], out.to(O.dtype.element_ty),
-             mask=q_ok[:, None] & dv_ok[None, :])
-    if STORE_LSE:  # skipped where nobody reads it (inference): 4 scattered bytes per query and head
-        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-        tl.store(LSE + b.to(tl.int64) * slb + q_tok * slt + h, lse.to(LSE.dtype.element_ty), mask=q_ok)
+    if _holds_nonfinite(out):  # a NaN / inf reached the tile: its rows again, kept inside their windows (rare)
+        _attend_by_offset(Q, Kp, V, RPB, O, LSE, q_base, k_base, v_base, o_base, b.to(tl.int64) * slb, sqt, skt, svt,
+                          sot, slt, h, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2,
+                          D0, D1, D2, HEAD_DIM, VALUE_DIM, qk_scale, CAUSAL0, CAUSAL1, CAUSAL2, T0, T1, T2,
+                          GATHER_ROWS, BLOCK_D, BLOCK_DV, HAS_RPB, IDX64, STORE_LSE)
+    else:
+        tl.store(O + o_base + q_tok[:, None] * sot + offs_dv[None, :], out.to(O.dtype.element_ty),
+                 mask=q_ok[:, None] & dv_ok[None, :])
+        if STORE_LSE:  # skipped where nobody reads it (inference): 4 scattered bytes per query and head
+            lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+            tl.store(LSE + b.to(tl.int64) * slb + q_tok * slt + h, lse.to(LSE.dtype.element_ty), mask=q_ok)
 
 
 # ---------------------------------------------------------------------------------------------
 # Backward preprocess: delta = rowsum(dO * O) - dlse
 # ---------------------------------------------------------------------------------------------
+@triton.jit
+def _rows_of_block(block, BLOCK_ROWS: tl.constexpr):
+    """The int64 row indices of a block of ``BLOCK_ROWS`` rows: there are B * N * H rows, which can pass 2**31."""
+    return block.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+
+
 @triton.jit
 def na_bwd_delta_kernel(
     O, DO, DLSE, DELTA, ROWS, N, H, VALUE_DIM,
@@ -431,11 +672,11 @@ def na_bwd_delta_kernel(
 ):
     """One float32 per (b, token, head) row; ``DELTA`` and ``DLSE`` are contiguous ``[B, N, H]``.
     One pass over O and dO in their own dtype and strides (no float32 copies of them)."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = _rows_of_block(tl.program_id(0), BLOCK_ROWS)
     row_ok = rows < ROWS
     h = rows % H
-    t = ((rows // H) % N).to(tl.int64)
-    b = (rows // H // N).to(tl.int64)
+    t = (rows // H) % N
+    b = rows // H // N
     offs = tl.arange(0, BLOCK_DV)
     m = row_ok[:, None] & (offs < VALUE_DIM)[None, :]
     o = tl.load(O + (b * sob + t * sot + h * soh)[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
@@ -461,6 +702,7 @@ def na_bwd_dq_kernel(
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_DS: tl.constexpr, MASK_IN_DOT: tl.constexpr,
+    PREC: tl.constexpr, GATHER_ROWS: tl.constexpr,
 ):
     # lse and delta share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (as in the forward), else unused.
@@ -524,18 +766,24 @@ def na_bwd_dq_kernel(
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
         p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
                               in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
-                              stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT)
-        dp = tl.dot(do, tl.trans(v))
+                              stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT, PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         if STORE_DS:
             _store_window_ds(DSW + b.to(tl.int64) * swb + h * swh, ds, q_ok, q_tok, swt, kj0, kj1, kj2,
                              start0, stop0, start1, stop1, start2, stop2, K1, K2)
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
 
     dq = dq * scale
     g_base = b.to(tl.int64) * sgb + h * sgh
-    tl.store(DQ + g_base + q_tok[:, None] * sgt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=q_ok[:, None] & d_ok[None, :])
+    if _holds_nonfinite(dq):  # a NaN / inf reached the tile: its rows again, kept inside their windows (rare)
+        _dq_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DQ, q_base, k_base, v_base, do_base, b.to(tl.int64) * slb, g_base,
+                      sqt, skt, svt, sdt, slt, sgt, h, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1,
+                      K2, S0, S1, S2, D0, D1, D2, HEAD_DIM, VALUE_DIM, qk_scale, scale, CAUSAL0, CAUSAL1, CAUSAL2, T0,
+                      T1, T2, GATHER_ROWS, BLOCK_D, BLOCK_DV, HAS_RPB, IDX64)
+    else:
+        tl.store(DQ + g_base + q_tok[:, None] * sgt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=q_ok[:, None] & d_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,7 +802,7 @@ def na_bwd_dkdv_kernel(
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     BISECT: tl.constexpr, TMA: tl.constexpr, QUERY_ROWS: tl.constexpr, HOST_DESC: tl.constexpr,
-    MASK_IN_DOT: tl.constexpr,
+    MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr,
 ):
     # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
     # dK/dV have their own strides (k/v may be strided views).  GQA: the query heads of this kv head are
@@ -665,17 +913,17 @@ def na_bwd_dkdv_kernel(
             # memory for the whole loop; p and ds go to the dV / dK matmuls transposed.
             p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
                                   in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
-                                  stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
+                                  stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT, PREC)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
         else:
             # [keys, queries]: k and v are A operands (read from shared memory), p and ds stay in registers as
             # the A operands of the dV / dK matmuls; a query tile of fewer than 64 rows still fills wgmma's
             # 64-row minimum here, because the keys are the rows.
             st = _scores(k, q, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, True,
-                         MASK_IN_DOT) * qk_scale
+                         MASK_IN_DOT, PREC) * qk_scale
             if HAS_RPB:
                 ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
                 bias = tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx)
@@ -685,18 +933,24 @@ def na_bwd_dkdv_kernel(
                 pt = _mask_outside(pt, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
                                    start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, U0, U1, U2, ACT0, ACT1,
                                    True)
-            dv += tl.dot(pt.to(do.dtype), do)
-            dpt = tl.dot(v, tl.trans(do))
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
             dst = pt * (dpt - delta[None, :])
-            dk += tl.dot(dst.to(q.dtype), q)
+            dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
 
     dk = dk * scale
     kg_base = b.to(tl.int64) * skgb + hk * skgh
     vg_base = b.to(tl.int64) * svgb + hk * svgh
-    tl.store(DK + kg_base + k_tok[:, None] * skgt + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=k_ok[:, None] & d_ok[None, :])
-    tl.store(DV + vg_base + k_tok[:, None] * svgt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
-             mask=k_ok[:, None] & dv_ok[None, :])
+    if _holds_nonfinite(dk) | _holds_nonfinite(dv):  # a NaN / inf reached the tile: again, inside the windows (rare)
+        _dkdv_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV, b, hk, GROUP, sqb, sqt, sqh, skt, sdb, sdt, sdh, svt,
+                        slb, slt, skgt, svgt, k_base, v_base, kg_base, vg_base, k0, k1, k2, g0, g1, g2, Lg0, Lg1, Lg2,
+                        L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, HEAD_DIM, VALUE_DIM, qk_scale, scale, CAUSAL0,
+                        CAUSAL1, CAUSAL2, U0, U1, U2, GATHER_ROWS, BLOCK_D, BLOCK_DV, HAS_RPB, IDX64)
+    else:
+        tl.store(DK + kg_base + k_tok[:, None] * skgt + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=k_ok[:, None] & d_ok[None, :])
+        tl.store(DV + vg_base + k_tok[:, None] * svgt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+                 mask=k_ok[:, None] & dv_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------

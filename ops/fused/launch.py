@@ -68,12 +68,20 @@ def needs_int64(*tensors) -> bool:
     return any(t.shape[1] * t.stride(1) + t.shape[2] * t.stride(2) >= INT32_LIMIT for t in tensors)
 
 
-def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, dv, has_rpb, idx64):
+def gather_rows(block_d: int, block_dv: int) -> int:
+    """Rows per step of the kernels' window-offset loops (``kernels._attend_by_offset`` and its backward twins, run
+    where a program's result holds a NaN / inf): few, about 128 elements per gathered vector block, since a kernel
+    is given the registers of its most demanding code, the rare loops included."""
+    return max(2, 128 // max(block_d, block_dv))
+
+
+def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, dv, has_rpb, idx64, precision):
     _, _, _, _, C = _axes3(params)
-    return dict(IDX64=idx64,
+    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    return dict(IDX64=idx64, PREC=precision, GATHER_ROWS=gather_rows(block_d, block_dv),
         CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
         T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], U0=kv_tile[0], U1=kv_tile[1], U2=kv_tile[2],
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_RPB=has_rpb, num_warps=launch.num_warps, num_stages=launch.num_stages,
     ) | ({"maxnreg": launch.maxnreg} if launch.maxnreg else {})
 
@@ -134,7 +142,7 @@ def host_descriptors_ok(params: NAParams, k4: torch.Tensor, v4: torch.Tensor, ba
     """The forward's K/V descriptors can be built on the host (``host_kv_descriptors``): no dilation (one group),
     heads packed in each token (head stride = head dim, unit last stride), power-of-two head dims (a box never
     reaches into the next head) and one launch for the whole batch (a descriptor spans it)."""
-    if any(d != 1 for d in params.dilation) or len(_batch_chunks(batch, heads)) != 1:
+    if any(d != 1 for d in params.dilation) or len(batch_chunks(batch, heads)) != 1:
         return False
     for t in (k4, v4):
         dim = t.shape[-1]
@@ -190,8 +198,9 @@ def ensure_scratch_allocator(meta: dict) -> None:
         triton.set_allocator(_torch_scratch)
 
 
-def _batch_chunks(batch: int, heads: int):
-    """Batch ranges whose B*H fits the grid's second dimension."""
+def batch_chunks(batch: int, heads: int) -> list[tuple[int, int]]:
+    """Batch ranges ``[lo, hi)`` whose B*H fits the grid's second dimension (CUDA's limit is 65535): every Triton
+    launcher with a ``(tiles, B * H)`` grid (this one and ``ops.gemm.triton_kernels``) runs one launch per range."""
     step = max(1, MAX_GRID_Y // heads)
     return [(lo, min(batch, lo + step)) for lo in range(0, batch, step)]
 
@@ -220,7 +229,7 @@ def _plan(key: tuple, build):
 def _launch_chunks(kernel, programs, heads, batch, tensors, scalars, meta):
     """Launches ``kernel`` over batch chunks whose B*H fits the grid (one launch in the common case)."""
     ensure_scratch_allocator(meta)
-    chunks = _batch_chunks(batch, heads)
+    chunks = batch_chunks(batch, heads)
     if len(chunks) == 1:
         kernel[(programs, batch * heads)](*tensors, *scalars, **meta)
         return
@@ -330,7 +339,8 @@ def _same_memory(pairs) -> bool:
 def _forward_key(q, k, v, rpb, params, scale, need_lse):
     # k / v alignment decides whether their tiles can be bulk copies (tma_eligible)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], q.dtype, q.device,
-            _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse, autotune.state())
+            _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse, autotune.state(),
+            autotune.dot_precision(q.dtype))
 
 
 def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True):
@@ -360,11 +370,12 @@ def _forward_full(q, k, v, rpb, params, scale, need_lse, key):
     has_rpb = table is not None
     tma_ok = tma_eligible(k4, v4)
     host_desc = tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
+    precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
 
     def scalars_and_meta(launch: autotune.Launch):
         window, programs = _window_args(params, launch.outer_tile)
         meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb,
-                           needs_int64(q4, k4, v4, out))
+                           needs_int64(q4, k4, v4, out), precision)
         # the row max is taken before scaling, which needs a positive scale
         meta["FOLD_SCALE"] = scale > 0 and not has_rpb
         meta["MASK_IN_DOT"] = meta["FOLD_SCALE"] and mask_in_dot(params, launch, scale)
@@ -386,7 +397,7 @@ def _forward_full(q, k, v, rpb, params, scale, need_lse, key):
     launch = autotune.pick("fwd", q, k, v, params, has_rpb, run, tma=tma_ok, host_descriptors=host_desc)
     plan = scalars_and_meta(launch)
     run(launch, plan)
-    if _same_memory(((q4, q), (k4, k), (v4, v))) and len(_batch_chunks(b, hq)) == 1 and \
+    if _same_memory(((q4, q), (k4, k), (v4, v))) and len(batch_chunks(b, hq)) == 1 and \
             len(_DIRECT) < MAX_DIRECT_PLANS:
         programs, scalars, meta, layouts = plan
         spatial = tuple(q.shape[1:-2])
@@ -425,7 +436,7 @@ def _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determini
     alignment = tuple(t.data_ptr() % 16 for t in (q, k, v, d_out))  # decides TMA eligibility
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], out.stride(), d_out.stride(),
             d_out.dtype, lse.dtype, lse.stride(), d_lse_layout, q.dtype, q.device, _rpb_layout(rpb), scale,
-            deterministic, want_drpb, alignment, autotune.state())
+            deterministic, want_drpb, alignment, autotune.state(), autotune.dot_precision(q.dtype))
 
 
 def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
@@ -489,10 +500,11 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     kv_host = BACKWARD_HOST_DESCRIPTORS and host_descriptors_ok(params, k4, v4, b, hq)
     dq_host = kv_host and dq_tma_ok
     dkdv_host = kv_host and dkdv_tma_ok and host_descriptors_ok(params, q4, do4, b, hq)
+    precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
 
     def dq_plan(launch):
         window, programs = _window_args(params, launch.outer_tile)
-        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb, idx64)
+        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb, idx64, precision)
         meta["TMA"] = launch.tma and dq_tma_ok
         meta["HOST_DESC"] = meta["TMA"] and dq_host
         meta["STORE_DS"] = ds_window is not None
@@ -511,7 +523,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     def dkdv_plan(launch):
         # outer tile = KV tile, inner tile = query tile
         window, programs = _window_args(params, launch.outer_tile)
-        meta = _constexprs(params, launch, launch.inner_tile, launch.outer_tile, d, dv, has_rpb, idx64)
+        meta = _constexprs(params, launch, launch.inner_tile, launch.outer_tile, d, dv, has_rpb, idx64, precision)
         meta["BISECT"] = max(math.ceil(L / dil).bit_length() for L, dil in zip(params.spatial, params.dilation))
         meta["TMA"] = launch.tma and dkdv_tma_ok
         meta["QUERY_ROWS"] = math.prod(launch.inner_tile) >= DKDV_QUERY_ROWS_FROM
@@ -531,7 +543,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         _launch_chunks(kernels.na_bwd_dkdv_kernel, programs, hkv, b, tensors, scalars, meta)
 
     shapes = (params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), do4.stride(), q.dtype,
-              has_rpb, scale, dq_tma_ok, dkdv_tma_ok, dq_host, dkdv_host)
+              has_rpb, scale, dq_tma_ok, dkdv_tma_ok, dq_host, dkdv_host, precision)
     launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
     dq_args = _plan(("dq", launch, *shapes), lambda: dq_plan(launch))
     run_dq(launch, dq_args)
@@ -551,7 +563,7 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
     if d_lse is not None:
         pairs += ((dlse, d_lse),)
-    if _same_memory(pairs) and len(_batch_chunks(b, hq)) == 1 and len(_BACKWARD) < MAX_DIRECT_PLANS:
+    if _same_memory(pairs) and len(batch_chunks(b, hq)) == 1 and len(_BACKWARD) < MAX_DIRECT_PLANS:
         (dq_programs, dq_scalars, dq_meta, dq_layouts), (dkdv_programs, dkdv_scalars, dkdv_meta, dkdv_layouts) = \
             dq_args, dkdv_args
         _BACKWARD[key] = _DirectBackward(

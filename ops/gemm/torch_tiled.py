@@ -9,6 +9,10 @@ copy per tile, which is what makes it fast.  Tiles are processed in chunks under
 
 Tensors are flat over space: ``[B, N, heads, dim]`` and weights ``[B, N, heads, W]``.  Math runs in
 float32 (float64 for float64 inputs).
+
+NN and IN multiply whole tiles by whole halos, where a zero weight times a NaN (or infinite) row is NaN: where
+the rows hold such values (one check per call), those products leave them out and mark instead the outputs
+whose windows hold one (``_contained_matmul``), so they reach exactly those outputs.
 """
 from __future__ import annotations
 
@@ -106,13 +110,34 @@ def _spread(w, ch, heads_kv, lse, ct, keep):
     rows = _weight_rows(w, ch.queries, heads_kv, ct)  # [B, Hb, c, Tq, G, W]
     if lse is not None:
         rows = torch.exp(rows - _weight_rows(lse.unsqueeze(-1), ch.queries, heads_kv, ct))
+    return _spread_rows(rows, ch, keep)
+
+
+def _spread_rows(rows, ch, keep):
+    """[B, Hkv, c, Tq, G, W] per-slot values of the chunk's queries in halo layout [B, Hkv, c, Tq * G, Th]."""
     B, HB, c, tq, G, W = rows.shape
     th = ch.halo.shape[1]
     # Slots that must not contribute (empty causal slots, repeated queries) go to a trash column.
     target = ch.local if keep is None else torch.where(keep, ch.local, th)
-    z = torch.zeros(B, HB, c, tq, G, th + 1, dtype=ct, device=w.device)
+    z = torch.zeros(B, HB, c, tq, G, th + 1, dtype=rows.dtype, device=rows.device)
     z.scatter_(-1, target[None, None, :, :, None, :].expand(rows.shape), rows)
     return z.reshape(B, HB, c, tq * G, th + 1)[..., :th]
+
+
+def _window_indicator(z, ch, keep):
+    """1 where ``z`` (a ``_spread`` result) has a window slot, else 0: the layout of ``z``, whatever its values."""
+    B, HB, c, rows, _ = z.shape
+    tq = ch.queries.shape[1]
+    ones = z.new_ones(B, HB, c, tq, rows // tq, ch.local.shape[-1])
+    return _spread_rows(ones, ch, keep)
+
+
+def _contained_matmul(z, x, window):
+    """``z @ x`` with the non-finite entries of ``x`` left out of the products and NaN in every output whose window
+    (``window``, the 0 / 1 layout of ``z``) holds one: a zero weight outside the window times NaN is not NaN here."""
+    bad = ~torch.isfinite(x)
+    out = torch.matmul(z, x.masked_fill(bad, 0.0))
+    return out.masked_fill(torch.matmul(window, bad.to(window.dtype)) > 0, float("nan"))
 
 
 def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
@@ -129,12 +154,15 @@ def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
     tiles, bounds = _plan(params, lambda tq, th: B * (th * HB * DV + tq * HA * (2 * th + 2 * W + DV)), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
     b_hm = b.to(ct).permute(0, 2, 1, 3).contiguous()
+    finite = bool(torch.isfinite(b_hm).all())
     for lo, hi in bounds:
         c = hi - lo
         ch = tiles.chunk(lo, hi, b.device)
-        z = _spread(w, ch, HB, lse, ct, None if ch.all_valid else ch.valid)
+        keep = None if ch.all_valid else ch.valid
+        z = _spread(w, ch, HB, lse, ct, keep)
         vb = b_hm.index_select(2, ch.halo.reshape(-1)).reshape(B, HB, c, Th, DV)
-        o = torch.matmul(z, vb).reshape(B, HB, c, Tq, G, DV)
+        o = torch.matmul(z, vb) if finite else _contained_matmul(z, vb, _window_indicator(z, ch, keep))
+        o = o.reshape(B, HB, c, Tq, G, DV)
         if scale != 1.0:
             o = o * scale
         out.index_copy_(1, ch.queries.reshape(-1), _to_rows_layout(o).to(out.dtype))
@@ -156,12 +184,17 @@ def inn(w, x, params: NAParams, heads_kv: int, scale=1.0, lse=None, out_dtype=No
     tiles, bounds = _plan(params, lambda tq, th: B * (th * HB * DX + tq * HA * (2 * th + 2 * W + DX)), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
     x_hm = _head_major(x.to(ct), HB)
+    finite = bool(torch.isfinite(x_hm).all())
     for lo, hi in bounds:
         c = hi - lo
         ch = tiles.chunk(lo, hi, x.device)
-        z = _spread(w, ch, HB, lse, ct, ch.valid & ch.owned[:, :, None])
+        keep = ch.valid & ch.owned[:, :, None]
+        z = _spread(w, ch, HB, lse, ct, keep)
         xq = x_hm.index_select(2, ch.queries.reshape(-1)).reshape(B, HB, c, Tq * G, DX)
-        dh = torch.matmul(z.transpose(-1, -2), xq)  # [B, Hb, c, Th, Dx]
+        if finite:
+            dh = torch.matmul(z.transpose(-1, -2), xq)  # [B, Hb, c, Th, Dx]
+        else:
+            dh = _contained_matmul(z.transpose(-1, -2), xq, _window_indicator(z, ch, keep).transpose(-1, -2))
         acc.index_add_(2, ch.halo.reshape(-1), dh.reshape(B, HB, c * Th, DX))
     if scale != 1.0:
         acc = acc * scale

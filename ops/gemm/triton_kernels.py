@@ -15,26 +15,30 @@ Which pairs are admitted is read from tables built by ``ops.gemm.tiles`` out of 
 window start and length of every query coordinate, the halo / inverse range of every tile): the kernels
 re-derive no window rule.  Problems are padded to three spatial axes; ``RANK`` (constexpr) skips the
 padded axes' pair arithmetic.
+
+NN and IN multiply whole chunks, so a zero weight times a NaN (or infinite) value or query row would reach
+rows whose windows do not hold it.  Their loops stay as they are; a program whose result holds a NaN or an
+infinity computes its rows again pair by pair (``_nn_by_slot``, ``_in_by_query``), where a row only meets
+its own window's entries (the fused backend does the same, ``ops/fused/kernels.py``).  Token rows are
+indexed in int64 from the batch index on (``_token_row``), and grids are split by batch where B * heads
+passes CUDA's grid limit (``ops.fused.launch.batch_chunks``).
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ..fused import autotune as fused_autotune
+from ..fused import launch as fused_launch
 from ..window import NAParams
 from .tiles import kernel_tables, kernel_tile_shape, pad_to_3d
 
 NUM_FIELDS = 6  # fields per tile in the tile tables (tiles.Q_ORIGIN .. H_LEN / K_ORIGIN .. R_LEN)
 BLOCK_CHUNK = 64  # keys (PN, NN) or queries (IN) per inner GEMM step
 MAX_HEAD_DIM = 256
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -58,6 +62,19 @@ def _window(wtab_ptr, WM, axis: tl.constexpr, coord, ok):
     start = tl.load(wtab_ptr + (axis * 2) * WM + coord, mask=ok, other=0)
     length = tl.load(wtab_ptr + (axis * 2 + 1) * WM + coord, mask=ok, other=0)
     return start, length
+
+
+@triton.jit
+def _token_row(bi, n, token, heads, h):
+    """Flat row ``(bi * n + token) * heads + h`` of a ``[B, N, heads, ...]`` tensor, in int64 from the batch index on:
+    ``bi * n`` alone passes 2**31 on large maps."""
+    return (bi.to(tl.int64) * n + token) * heads + h
+
+
+@triton.jit
+def _holds_nonfinite(x):
+    """Whether a [rows, cols] tile holds a NaN or an infinity (``x * 0`` is 0 for a finite ``x``, else NaN)."""
+    return tl.sum(tl.sum(x * 0.0, 1), 0) != 0.0
 
 
 @triton.jit
@@ -91,7 +108,7 @@ def _pn_kernel(a_ptr, b_ptr, out_ptr, rpb_ptr, lg_ptr, lse_ptr, delta_ptr, qtab_
     ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, q_ok)
     ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, q_ok)
     ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, q_ok)
-    row = (bi * N + (qc0 * L1 + qc1) * L2 + qc2).to(tl.int64) * HA + h  # [BLOCK_Q] (batch, query, head)
+    row = _token_row(bi, N, (qc0 * L1 + qc1) * L2 + qc2, HA, h)  # [BLOCK_Q] (batch, query, head)
     d = tl.arange(0, BLOCK_D)
     q = tl.load(a_ptr + row[:, None] * D + d[None, :], mask=q_ok[:, None] & (d[None, :] < D), other=0.0)
     if DS_MODE:
@@ -102,7 +119,7 @@ def _pn_kernel(a_ptr, b_ptr, out_ptr, rpb_ptr, lg_ptr, lse_ptr, delta_ptr, qtab_
         f = f_lo + tl.arange(0, BLOCK_K)
         f_ok = f < halo
         f0, f1, f2 = _unflatten(f, hl1, hl2)
-        key = (bi * N + ((ho0 + f0 * DIL0) * L1 + ho1 + f1 * DIL1) * L2 + ho2 + f2 * DIL2).to(tl.int64) * HB + hb
+        key = _token_row(bi, N, ((ho0 + f0 * DIL0) * L1 + ho1 + f1 * DIL1) * L2 + ho2 + f2 * DIL2, HB, hb)
         k = tl.load(b_ptr + key[None, :] * D + d[:, None], mask=f_ok[None, :] & (d[:, None] < D), other=0.0)
         s = tl.dot(q, k, input_precision=PREC) * scale  # [BLOCK_Q, BLOCK_K]: whole tile x halo chunk
         # Keep the admitted pairs: per axis, key's group coord minus the query's window start.
@@ -138,7 +155,7 @@ def _nn_kernel(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM,
                N, HA, HB, DV, W, scale, L1, L2, K1, K2, DIL0, DIL1, DIL2, TPA1, TPA2,
                T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_DV: tl.constexpr, RANK: tl.constexpr, LSE_MODE: tl.constexpr, PREC: tl.constexpr,
-               ACC: tl.constexpr):
+               ACC: tl.constexpr, GATHER_ROWS: tl.constexpr):
     BLOCK_Q: tl.constexpr = T0 * T1 * T2
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -156,7 +173,7 @@ def _nn_kernel(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM,
     ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, q_ok)
     ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, q_ok)
     ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, q_ok)
-    row = (bi * N + (qc0 * L1 + qc1) * L2 + qc2).to(tl.int64) * HA + h
+    row = _token_row(bi, N, (qc0 * L1 + qc1) * L2 + qc2, HA, h)
     if LSE_MODE:
         lse = tl.load(lse_ptr + row, mask=q_ok, other=0.0)
     dv = tl.arange(0, BLOCK_DV)
@@ -181,12 +198,54 @@ def _nn_kernel(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM,
         p = tl.load(w_ptr + row[:, None] * W + slot, mask=ok, other=0.0).to(ACC)
         if LSE_MODE:
             p = tl.where(ok, tl.exp(p - lse[:, None]), 0.0)
-        key = (bi * N + ((ho0 + f0 * DIL0) * L1 + ho1 + f1 * DIL1) * L2 + ho2 + f2 * DIL2).to(tl.int64) * HB + hb
+        key = _token_row(bi, N, ((ho0 + f0 * DIL0) * L1 + ho1 + f1 * DIL1) * L2 + ho2 + f2 * DIL2, HB, hb)
         v = tl.load(v_ptr + key[:, None] * DV + dv[None, :], mask=f_ok[:, None] & (dv[None, :] < DV), other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-    acc = acc * scale
-    tl.store(out_ptr + row[:, None] * DV + dv[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=q_ok[:, None] & (dv[None, :] < DV))
+    if _holds_nonfinite(acc):  # a NaN / inf value or weight reached the tile: its rows again, pair by pair (rare)
+        _nn_by_slot(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM, u0, u1, u2, bi, h, hb, N, HA, HB, DV,
+                    W, scale, L1, L2, K1, K2, DIL0, DIL1, DIL2, T0, T1, T2, GATHER_ROWS, BLOCK_DV, LSE_MODE, ACC)
+    else:
+        acc = acc * scale
+        tl.store(out_ptr + row[:, None] * DV + dv[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=q_ok[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _nn_by_slot(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM, u0, u1, u2, bi, h, hb, N, HA, HB, DV, W,
+                scale, L1, L2, K1, K2, DIL0, DIL1, DIL2, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+                SUB: tl.constexpr, BLOCK_DV: tl.constexpr, LSE_MODE: tl.constexpr, ACC: tl.constexpr):
+    """NN for the program's query tile, ``SUB`` rows at a time: per row and window slot, its weight times the value
+    row of that slot's key (empty slots skipped), stored to ``out``."""
+    dv = tl.arange(0, BLOCK_DV)
+    for first in tl.range(0, T0 * T1 * T2, SUB, num_stages=1):
+        r = first + tl.arange(0, SUB)
+        ok0, qc0, _, _, _, _ = _tile_axis(qtab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
+        ok1, qc1, _, _, _, _ = _tile_axis(qtab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
+        ok2, qc2, _, _, _, _ = _tile_axis(qtab_ptr, TM, 2, u2, r % T2, DIL2)
+        q_ok = ok0 & ok1 & ok2
+        ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, q_ok)
+        ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, q_ok)
+        ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, q_ok)
+        row = _token_row(bi, N, (qc0 * L1 + qc1) * L2 + qc2, HA, h)
+        if LSE_MODE:
+            lse = tl.load(lse_ptr + row, mask=q_ok, other=0.0)
+        acc = tl.zeros([SUB, BLOCK_DV], dtype=ACC)
+        for slot in tl.range(0, W, num_stages=1):
+            s0 = slot // (K1 * K2)
+            s1 = (slot // K2) % K1
+            s2 = slot % K2
+            ok = q_ok & (s0 < wl0) & (s1 < wl1) & (s2 < wl2)
+            kc0 = (ws0 + s0) * DIL0 + qc0 % DIL0  # the slot's key, original coordinates
+            kc1 = (ws1 + s1) * DIL1 + qc1 % DIL1
+            kc2 = (ws2 + s2) * DIL2 + qc2 % DIL2
+            key = _token_row(bi, N, (kc0 * L1 + kc1) * L2 + kc2, HB, hb)
+            p = tl.load(w_ptr + row * W + slot, mask=ok, other=0.0).to(ACC)
+            if LSE_MODE:
+                p = tl.exp(p - lse)
+            v = tl.load(v_ptr + key[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
+            acc += tl.where(ok[:, None], p[:, None] * v.to(ACC), 0.0)
+        tl.store(out_ptr + row[:, None] * DV + dv[None, :], (acc * scale).to(out_ptr.dtype.element_ty),
+                 mask=q_ok[:, None] & (dv[None, :] < DV))
 
 
 @triton.jit
@@ -194,7 +253,7 @@ def _in_kernel(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM,
                N, HA, HB, DX, W, scale, L1, L2, K1, K2, DIL0, DIL1, DIL2, TPA1, TPA2,
                T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, BLOCK_Q: tl.constexpr,
                BLOCK_DX: tl.constexpr, RANK: tl.constexpr, LSE_MODE: tl.constexpr, PREC: tl.constexpr,
-               ACC: tl.constexpr):
+               ACC: tl.constexpr, GATHER_ROWS: tl.constexpr):
     BLOCK_KT: tl.constexpr = T0 * T1 * T2
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -209,7 +268,7 @@ def _in_kernel(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM,
     ok1, kc1, kg1, ro1, rs1, rl1 = _tile_axis(ktab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
     ok2, kc2, kg2, ro2, rs2, rl2 = _tile_axis(ktab_ptr, TM, 2, u2, r % T2, DIL2)
     k_ok = ok0 & ok1 & ok2
-    krow = (bi * N + (kc0 * L1 + kc1) * L2 + kc2).to(tl.int64) * HB + hb
+    krow = _token_row(bi, N, (kc0 * L1 + kc1) * L2 + kc2, HB, hb)
     dx = tl.arange(0, BLOCK_DX)
     acc = tl.zeros([BLOCK_KT, BLOCK_DX], dtype=ACC)
     span = rl0 * rl1 * rl2
@@ -236,9 +295,8 @@ def _in_kernel(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM,
             ok = ok & (s0 >= 0) & (s0 < wl0[None, :])
             slot = slot + s0 * (K1 * K2)
         ok = ok & k_ok[:, None] & f_ok[None, :]
-        qpos = (bi * N + (qc0 * L1 + qc1) * L2 + qc2).to(tl.int64) * HA
         for gi in range(0, G):
-            qrow = qpos + hb * G + gi
+            qrow = _token_row(bi, N, (qc0 * L1 + qc1) * L2 + qc2, HA, hb * G + gi)
             p = tl.load(w_ptr + qrow[None, :] * W + slot, mask=ok, other=0.0).to(ACC)
             if LSE_MODE:
                 lse = tl.load(lse_ptr + qrow, mask=f_ok, other=0.0)
@@ -246,9 +304,51 @@ def _in_kernel(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM,
             x = tl.load(x_ptr + qrow[:, None] * DX + dx[None, :], mask=f_ok[:, None] & (dx[None, :] < DX),
                         other=0.0)
             acc = tl.dot(p.to(x.dtype), x, acc, input_precision=PREC)
-    acc = acc * scale
-    tl.store(out_ptr + krow[:, None] * DX + dx[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=k_ok[:, None] & (dx[None, :] < DX))
+    if _holds_nonfinite(acc):  # a NaN / inf row or weight reached the tile: its keys again, pair by pair (rare)
+        _in_by_query(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM, u0, u1, u2, bi, hb, N, HA, HB, DX, W,
+                     scale, L1, L2, K1, K2, DIL0, DIL1, DIL2, T0, T1, T2, GATHER_ROWS, BLOCK_DX, LSE_MODE, ACC)
+    else:
+        acc = acc * scale
+        tl.store(out_ptr + krow[:, None] * DX + dx[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=k_ok[:, None] & (dx[None, :] < DX))
+
+
+@triton.jit
+def _in_by_query(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM, u0, u1, u2, bi, hb, N, HA, HB, DX, W,
+                 scale, L1, L2, K1, K2, DIL0, DIL1, DIL2, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+                 SUB: tl.constexpr, BLOCK_DX: tl.constexpr, LSE_MODE: tl.constexpr, ACC: tl.constexpr):
+    """IN for the program's key tile, ``SUB`` keys at a time: per query of the tile's inverse neighborhood (and query
+    head of the kv head), its row times its weight at each key's slot, kept only for keys inside its window."""
+    G = HA // HB
+    dx = tl.arange(0, BLOCK_DX)
+    for first in tl.range(0, T0 * T1 * T2, SUB, num_stages=1):
+        r = first + tl.arange(0, SUB)
+        ok0, kc0, kg0, ro0, rs0, rl0 = _tile_axis(ktab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
+        ok1, kc1, kg1, ro1, rs1, rl1 = _tile_axis(ktab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
+        ok2, kc2, kg2, ro2, rs2, rl2 = _tile_axis(ktab_ptr, TM, 2, u2, r % T2, DIL2)
+        k_ok = ok0 & ok1 & ok2
+        krow = _token_row(bi, N, (kc0 * L1 + kc1) * L2 + kc2, HB, hb)
+        acc = tl.zeros([SUB, BLOCK_DX], dtype=ACC)
+        for f in tl.range(0, rl0 * rl1 * rl2 * G, num_stages=1):  # the tile's queries, each query head in turn
+            f0, f1, f2 = _unflatten(f // G, rl1, rl2)
+            qc0 = ro0 + f0 * DIL0
+            qc1 = ro1 + f1 * DIL1
+            qc2 = ro2 + f2 * DIL2
+            ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, qc0 >= 0)  # a query of the range: always in bounds
+            ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, qc1 >= 0)
+            ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, qc2 >= 0)
+            s0 = kg0 - ws0  # each key's slot in the query's window, per axis
+            s1 = kg1 - ws1
+            s2 = kg2 - ws2
+            ok = k_ok & (s0 >= 0) & (s0 < wl0) & (s1 >= 0) & (s1 < wl1) & (s2 >= 0) & (s2 < wl2)
+            qrow = _token_row(bi, N, (qc0 * L1 + qc1) * L2 + qc2, HA, hb * G + f % G)
+            p = tl.load(w_ptr + qrow * W + (s0 * K1 + s1) * K2 + s2, mask=ok, other=0.0).to(ACC)
+            if LSE_MODE:
+                p = tl.exp(p - tl.load(lse_ptr + qrow))
+            x = tl.load(x_ptr + qrow * DX + dx, mask=dx < DX, other=0.0).to(ACC)
+            acc += tl.where(ok[:, None], p[:, None] * x[None, :], 0.0)
+        tl.store(out_ptr + krow[:, None] * DX + dx[None, :], (acc * scale).to(out_ptr.dtype.element_ty),
+                 mask=k_ok[:, None] & (dx[None, :] < DX))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,10 +357,12 @@ def _in_kernel(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM,
 
 
 def _precision(dtype: torch.dtype) -> str:
-    if dtype != torch.float32 or interpreting():
+    """``tl.dot`` input precision: float32 follows torch's float32 matmul setting as the fused kernels do (3xTF32,
+    ~fp32, at "highest"; TF32 at "high" / "medium": ``ops.fused.autotune.dot_precision``); other dtypes are exact
+    either way."""
+    if dtype != torch.float32:
         return "ieee"
-    # float32 follows torch's matmul setting: TF32 only where the user allowed it, else 3xTF32 (~fp32).
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+    return fused_autotune.dot_precision(dtype)
 
 
 def _acc(dtype: torch.dtype):
@@ -275,6 +377,21 @@ def _stages(block_dim: int, dtype: torch.dtype) -> int:
 
 def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
+
+
+def _launch_in_batch_chunks(kernel, tiles: int, heads: int, args: list, batched: tuple, **meta) -> None:
+    """``kernel`` over a ``(tiles, B * heads)`` grid, in batch chunks whose B * heads fits CUDA's grid
+    (``ops.fused.launch.batch_chunks``); the positional ``args`` at the indices ``batched`` are ``[B, ...]`` tensors,
+    sliced per chunk (the kernels index rows from the batch element on)."""
+    batch = args[batched[0]].shape[0]
+    for lo, hi in fused_launch.batch_chunks(batch, heads):
+        chunk = [a[lo:hi] if i in batched else a for i, a in enumerate(args)]
+        kernel[(tiles, (hi - lo) * heads)](*chunk, **meta)
+
+
+def _gather_rows(block: int) -> int:
+    """Rows per step of ``_nn_by_slot`` / ``_in_by_query`` (the fused kernels' rule, ``launch.gather_rows``)."""
+    return fused_launch.gather_rows(block, block)
 
 
 def _setup(params: NAParams, device):
@@ -310,10 +427,10 @@ def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtyp
     if ds is not None:
         lg, lse, delta = (t.contiguous() for t in ds)
     rpb_arg = rpb.contiguous() if rpb is not None else dummy
-    grid = (tables.num_query_tiles, B * HA)
-    _pn_kernel[grid](
-        a, b, out, rpb_arg, lg, lse, delta, tables.query_tiles, tables.windows,
-        tables.query_tiles.shape[2], tables.windows.shape[2], N, HA, HB, D, W, float(scale),
+    args = [a, b, out, rpb_arg, lg, lse, delta, tables.query_tiles, tables.windows,
+            tables.query_tiles.shape[2], tables.windows.shape[2], N, HA, HB, D, W, float(scale)]
+    _launch_in_batch_chunks(
+        _pn_kernel, tables.num_query_tiles, HA, args, (0, 1, 2, 4, 5, 6),
         K0=p3.kernel_size[0], R=math.prod(p3.rpb_shape),
         TPA1=tables.tiles_per_axis[1], TPA2=tables.tiles_per_axis[2], BLOCK_K=BLOCK_CHUNK, BLOCK_D=_block(D),
         HAS_RPB=rpb is not None, DS_MODE=ds is not None, PREC=_precision(a.dtype), ACC=_acc(a.dtype),
@@ -329,13 +446,13 @@ def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
     w, b = w.contiguous(), b.contiguous()
     p3, tables, common = _setup(params, b.device)
     out = torch.empty(B, N, HA, DV, dtype=out_dtype or b.dtype, device=b.device)
-    grid = (tables.num_query_tiles, B * HA)
-    _nn_kernel[grid](
-        w, b, out, lse.contiguous() if lse is not None else w, tables.query_tiles, tables.windows,
-        tables.query_tiles.shape[2], tables.windows.shape[2], N, HA, HB, DV, W, float(scale),
+    args = [w, b, out, lse.contiguous() if lse is not None else w, tables.query_tiles, tables.windows,
+            tables.query_tiles.shape[2], tables.windows.shape[2], N, HA, HB, DV, W, float(scale)]
+    _launch_in_batch_chunks(
+        _nn_kernel, tables.num_query_tiles, HA, args, (0, 1, 2, 3),
         TPA1=tables.tiles_per_axis[1], TPA2=tables.tiles_per_axis[2], BLOCK_K=BLOCK_CHUNK,
         BLOCK_DV=_block(DV), LSE_MODE=lse is not None, PREC=_precision(b.dtype), ACC=_acc(b.dtype),
-        num_stages=_stages(_block(DV), b.dtype), **common,
+        GATHER_ROWS=_gather_rows(_block(DV)), num_stages=_stages(_block(DV), b.dtype), **common,
     )
     return out
 
@@ -347,12 +464,12 @@ def inn(w, x, params: NAParams, heads_kv: int, scale=1.0, lse=None, out_dtype=No
     w, x = w.contiguous(), x.contiguous()
     p3, tables, common = _setup(params, x.device)
     out = torch.empty(B, N, heads_kv, DX, dtype=out_dtype or x.dtype, device=x.device)
-    grid = (tables.num_key_tiles, B * heads_kv)
-    _in_kernel[grid](
-        w, x, out, lse.contiguous() if lse is not None else w, tables.key_tiles, tables.windows,
-        tables.key_tiles.shape[2], tables.windows.shape[2], N, HA, heads_kv, DX, W, float(scale),
+    args = [w, x, out, lse.contiguous() if lse is not None else w, tables.key_tiles, tables.windows,
+            tables.key_tiles.shape[2], tables.windows.shape[2], N, HA, heads_kv, DX, W, float(scale)]
+    _launch_in_batch_chunks(
+        _in_kernel, tables.num_key_tiles, heads_kv, args, (0, 1, 2, 3),
         TPA1=tables.key_tiles_per_axis[1], TPA2=tables.key_tiles_per_axis[2], BLOCK_Q=BLOCK_CHUNK,
         BLOCK_DX=_block(DX), LSE_MODE=lse is not None, PREC=_precision(x.dtype), ACC=_acc(x.dtype),
-        num_stages=_stages(_block(DX), x.dtype), **common,
+        GATHER_ROWS=_gather_rows(_block(DX)), num_stages=_stages(_block(DX), x.dtype), **common,
     )
     return out
