@@ -1,4 +1,5 @@
-"""torch.compile over the project's models with the fused backend: one graph, no recompiles.
+"""torch.compile over the project's models with the fused backend: one graph, no recompiles (NAT, DiNAT,
+DiNAT_s, the causal video model).
 
 The checks run in a fresh interpreter, so that the model is compiled before any eager NA call, as a
 user's training script does (in this process other tests have already run every backend eagerly).
@@ -49,6 +50,8 @@ def _compile_report(name: str, kwargs: dict, shape) -> dict:
 @pytest.mark.parametrize("name,kwargs,shape", [
     ("nat_mini", TINY, [2, 3, 32, 32]),
     ("dinat_mini", dict(TINY, dilations=((1,), (1,), (1, 2), (1,))), [2, 3, 32, 32]),
+    ("dinat_s_tiny", dict(TINY, dilations=((1,), (1,), (1, 2), (1,))), [1, 3, 64, 64]),
+    ("video_nat_nano", dict(img_size=32), [1, 4, 1, 32, 32]),
 ])
 def test_fused_models_compile_to_one_graph_without_recompiles(name, kwargs, shape):
     report = _compile_report(name, kwargs, shape)

@@ -281,8 +281,12 @@ class FrameDecoder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, h, w, D] -> [N, C, h*p, w*p]``."""
-        y = self.proj(self.norm(x)).permute(0, 3, 1, 2)
-        return F.pixel_shuffle(y, self.patch_size).contiguous()
+        n, h, w, _ = x.shape
+        p, c = self.patch_size, self.out_chans
+        # pixel shuffle written out (channel c*p*p + i*p + j -> pixel (h*p + i, w*p + j)): traced graphs keep
+        # exact strides, where aten.pixel_shuffle's backward breaks a compiled training step on CPU
+        y = self.proj(self.norm(x)).reshape(n, h, w, c, p, p)
+        return y.permute(0, 3, 1, 4, 2, 5).reshape(n, c, h * p, w * p)
 
 
 # --------------------------------------------------------------------------------------------- model
