@@ -204,8 +204,8 @@ def test_backward_descriptors_built_on_the_host(p, host, query_rows, monkeypatch
 
 
 def test_backward_host_descriptors_follow_the_switch(monkeypatch):
-    """The backward's host-built descriptors are on by default (``launch.BACKWARD_HOST_DESCRIPTORS``, measured
-    faster on short loops in session 10); switched off, dQ and dK/dV build their descriptors per program."""
+    """The backward's host-built descriptors are on by default (``launch.BACKWARD_HOST_DESCRIPTORS``, faster on
+    short loops); switched off, dQ and dK/dV build their descriptors per program."""
     assert launch.BACKWARD_HOST_DESCRIPTORS
     monkeypatch.setattr(launch, "BACKWARD_HOST_DESCRIPTORS", False)
     tma = Config(16, 16, 4, 1, True)

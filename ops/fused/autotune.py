@@ -50,14 +50,13 @@ class Config:
 
 # kernel -> list of (max head dim, default config); the first entry whose bound covers the head dim wins.
 DEFAULTS: dict[str, list[tuple[int, Config]]] = {
-    # Winners of the tuner on an H100 (Triton 3.6, bf16; benchmarks/RESULTS.md, session 2): one
-    # warpgroup (4 warps) on 64-row tiles beat 8 warps on 64 or 128 rows for every kernel, although
-    # ptxas reports some spills for them at head dim 128.  Head dim 256 keeps small tiles.
-    # TMA loads (session 5) won on the large head-dim-128 problems (2d-flux forward 15.7 -> 13.5 ms),
-    # but lost on the head-dim-32 NAT stage-1 maps (nat-s1 0.285 -> 0.385 ms: a short program pays for
-    # building its descriptors), so the head-dim-32 defaults keep pointer loads.
+    # Winners of the tuner on an H100 (Triton 3.6, bf16; measurements in docs/fused.md): one warpgroup
+    # (4 warps) on 64-row tiles beat 8 warps on 64 or 128 rows for every kernel, although ptxas reports
+    # some spills for them at head dim 128.  Head dim 256 keeps small tiles.
+    # TMA loads win on the large head-dim-128 problems but lose on the head-dim-32 NAT stage-1 maps (a
+    # short program pays for building its descriptors), so the head-dim-32 defaults keep pointer loads.
     # The bound is ``row_width``: float32 past head dim 64 counts double (its tiles take twice the shared
-    # memory; float32 at head dim 128 ran out of it with the 128 entry, session 5).
+    # memory; float32 at head dim 128 runs out of it with the 128 entry).
     "fwd": [(32, Config(32, 32, 4, 2)), (128, Config(64, 64, 4, 3, True)), (256, Config(64, 32, 8, 2)),
             (512, Config(32, 32, 8, 1))],
     "dq": [(32, Config(64, 32, 4, 2)), (128, Config(64, 64, 4, 2, True)), (256, Config(32, 32, 8, 1))],
@@ -66,13 +65,11 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
     "drpb": [(256, Config(64, 1, 4, 1))],
 }
 
-# Head dims up to 32 (NAT / DiNAT) by window regime, measured on an H100 against the table above (session 8,
-# RESULTS.md; tuner's timing, bf16):
+# Head dims up to 32 (NAT / DiNAT) by window regime, each faster than the table above on an H100 (docs/fused.md):
 # * small windows (at most SMALL_WINDOW keys, smaller than the dilation group): 16-query tiles on one warp reach
-#   about half the keys of 32- or 64-query tiles.  nat-s1 fwd 0.242 -> 0.128 ms, dK/dV 0.356 -> 0.290; nat-s1 with
-#   RPB fwd 0.424 -> 0.216, dQ 0.496 -> 0.232, dK/dV 0.573 -> 0.332; nat-s3 fwd 0.063 -> 0.039, dK/dV 0.086 -> 0.066.
+#   about half the keys of 32- or 64-query tiles (up to 2x faster on NAT's 7x7 stages, forward and backward);
 # * windows covering their whole dilation group (DiNAT's dilated layers): dense attention inside each group, one
-#   64-query tile per group.  dinat-s1 fwd 0.189 -> 0.115 ms.
+#   64-query tile per group.
 # The small-window tiles use TMA where the launcher builds the descriptors on the host (``_default_launch`` drops it
 # elsewhere; the backward's measurements are at ``launch.BACKWARD_HOST_DESCRIPTORS``).
 SMALL_WINDOW = 81
@@ -91,16 +88,16 @@ CANDIDATES: dict[str, list[Config]] = {
             # small windows in 3-D (3d-causal): 16-key tiles cut the padding of a 64-query tile's key box
             # (632 pairs per query against 728), 32-query tiles on two warps reach 518
             Config(64, 16, 4, 3), Config(32, 32, 2, 2), Config(32, 64, 2, 2),
-            # nat-s1: one-warp programs at 149 registers fit 12 per SM; capped at 128, 0.159 -> 0.152 ms (session 7)
+            # nat-s1: one-warp programs at 149 registers fit 12 per SM; capped at 128, more fit (and run faster)
             Config(16, 64, 1, 2, maxnreg=128),
             # head dim 128, windows aligned to the tile (stride variants): 32-key tiles at 3 stages take 64 KiB of
-            # shared memory and 124 registers, 3 programs per SM against 2 for 64-key ones (ptxas, session 9)
+            # shared memory and 124 registers, 3 programs per SM against 2 for 64-key ones (ptxas)
             Config(64, 32, 4, 3),
-            # nat-s1 reads K/V from L2 at 84% of its throughput (ncu, session 10): 32-query one-warp tiles reach 4.4
-            # keys per query against 7 for 16-query ones; (1,4,8) x (1,2,16) with TMA, 128 registers: 0.129 -> 0.125 ms
+            # nat-s1's forward is bound by L2 traffic (ncu): 32-query one-warp tiles reach 4.4 keys per query against
+            # 7 for 16-query ones, so they read fewer K/V bytes; (1,4,8) x (1,2,16) with TMA at 128 registers
             Config(32, 32, 1, 3, maxnreg=128),
             # head dim 128, long unmasked loops (stride variants): 128 x 128 on two warpgroups at 3 stages (224 KiB of
-            # shared memory, one program per SM), 1d-32k-s256 1.179 -> 1.120 ms (session 12)
+            # shared memory, one program per SM); 128-key tiles halve the score matmul's shared-memory reads per FLOP
             Config(128, 128, 8, 3)],
     "dq": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
            Config(32, 32, 4, 2), Config(128, 32, 8, 2), Config(128, 64, 8, 3), Config(64, 64, 4, 3),
@@ -112,16 +109,15 @@ CANDIDATES: dict[str, list[Config]] = {
     "drpb": [Config(64, 1, 4, 1), Config(32, 1, 4, 1), Config(128, 1, 8, 1)],
 }
 # Every tile candidate also with TMA loads (used where the launch allows them, else the same as
-# without): they won on most large problems, lost on some 3-D backward tiles (RESULTS.md, session 5).
+# without): they win on most large problems and lose on some 3-D backward tiles.
 for _kernel in ("fwd", "dq", "dkdv"):
     CANDIDATES[_kernel] += [dataclasses.replace(c, tma=True) for c in CANDIDATES[_kernel]]
 
 
 def _code_version() -> str:
     """Hash of the sources that decide what a tuned entry ran: the kernels and the launcher's choices around them.
-    A cached configuration outlives the code that chose it otherwise: the session-10 cache kept RPB dQ / dK/dV
-    entries picked before the backward's host descriptors, 0.249 / 0.351 ms against 0.226 / 0.280 for the new
-    defaults (RESULTS.md, session 11), and an entry can even name tiles a later kernel no longer compiles."""
+    A cached configuration outlives the code that chose it otherwise: entries tuned before a kernel change can be
+    slower than the current defaults (docs/fused.md), or name tiles a later kernel no longer compiles."""
     digest = hashlib.sha256()
     for name in ("kernels.py", "window_jit.py", "launch.py"):
         digest.update(Path(__file__).with_name(name).read_bytes())
@@ -335,12 +331,10 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
     return _default_launch(kernel, params, row_width(max(q.shape[-1], v.shape[-1]), q.dtype), host_descriptors)
 
 
-# A program that builds its TMA descriptors itself pays for it once, so TMA pays only over a long enough loop.
-# Measured on an H100 with default tiles (RESULTS.md, session 5): a loop of 5 inner tiles (nat-s1) ran 35%
-# slower with TMA, 14 tiles (3d-causal) the same, 121 tiles (2d-flux) 12% faster.  Where the launcher builds the
+# A program that builds its TMA descriptors itself pays for it once, so TMA pays only over a long enough loop
+# (on an H100: slower at 5 inner tiles, the same at 14, faster at 121; docs/fused.md).  Where the launcher builds the
 # descriptors on the host (an undilated problem with packed heads and power-of-two head dims,
-# ``launch.host_descriptors_ok``), TMA wins on short loops too (nat-s1 forward, 2 tiles: 0.154 -> 0.128 ms, session 8;
-# the backward: ``launch.BACKWARD_HOST_DESCRIPTORS``).
+# ``launch.host_descriptors_ok``), TMA wins on short loops too (the backward: ``launch.BACKWARD_HOST_DESCRIPTORS``).
 MIN_TMA_LOOP = 16
 
 
@@ -360,7 +354,7 @@ def _default_launch(kernel: str, params, width: int, host_descriptors: bool = Fa
 def _kernel_ms(fn) -> float:
     """Median time of ``fn``'s kernels, replayed from a CUDA graph: timed launch by launch, a kernel
     shorter than its ~50 us of host launch work is timed at the host's speed, and the tuner picked
-    worse tiles than the defaults on small maps that way (RESULTS.md, session 3).  Plain
+    worse tiles than the defaults on small maps that way.  Plain
     ``do_bench`` where graph capture is not possible."""
     import triton.testing
 

@@ -238,7 +238,7 @@ def _kv_sources(k_ptr, v_ptr, k_desc, v_desc, b, hk, g0, g1, g2, D0, D1, D2, L1,
 
     * ``HOST_DESC``: ``k_desc`` / ``v_desc``, descriptors the host built over ``[B, L0, L1, L2, heads * D]`` (no
       dilation, power-of-two head dims): nothing to set up per program, where a device-side descriptor costs each
-      program a write and a fence (why TMA lost on short loops, session 5);
+      program a write and a fence (why per-program descriptors lose on short loops);
     * ``TMA``: group descriptors built here (bulk copies, no address or mask arithmetic per element);
     * else the K/V pointers of this batch element and head (``k_desc`` / ``v_desc`` unused)."""
     if HOST_DESC:
@@ -838,7 +838,7 @@ def na_bwd_dkdv_kernel(
                                                        VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA, HOST_DESC)
         k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
-    else:  # k/v are A operands: an N-D TMA box would pass through registers (2d-flux dK/dV +29%, session 6)
+    else:  # k/v are A operands: an N-D TMA box would pass through registers (slower than pointer loads)
         k, v = _kv_tile(Kp + k_base, V + v_base, 0, 0, 0, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, False)
 

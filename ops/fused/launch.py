@@ -89,18 +89,16 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
 # The backward kernels read their tiles through descriptors built on the host, as the forward does, where the layout
 # allows it (``host_descriptors_ok``) and the launch uses TMA: K/V in dQ, Q/dO (and, with queries as the matmul rows,
 # their own K/V tile) in dK/dV.  A program that builds its own descriptors pays for it on every launch, which a short
-# loop does not earn back.  Measured on an H100 (RESULTS.md, session 10; bf16, cached tiles, ms): nat-s1 dK/dV
-# 0.295 with pointer loads, 0.327 with per-program descriptors, 0.228 with host ones; dQ 0.160 / 0.239 / 0.154;
-# nat-s1-rpb dK/dV 0.339 / 0.438 / 0.280, dQ 0.242 / 0.292 / 0.226; 2d-flux (121-tile loops) within 1%.
+# loop does not earn back: on NAT's small windows host descriptors beat both per-program descriptors and pointer
+# loads, and on long loops they change nothing (docs/fused.md).
 BACKWARD_HOST_DESCRIPTORS = True
 
 # The kernels mask key boxes through the score matmul's initial value (a 0 / -inf bias tile built on every box from
 # per-axis compares that ptxas shares across a thread's columns) where a launch's boxes are partial on at least this
 # fraction of the problem's axes on average; elsewhere one select per element and partial axis, skipped on unmasked
-# boxes.  On an H100 (session 12, RESULTS.md): 3d-causal (2.9 of 3 axes) forward 448 -> 400 SASS instructions per
-# step, 0.3331 -> 0.3039 ms, fwd+bwd 1.840 -> 1.721 ms; nat-s1 forward 0.1246 -> 0.1167 ms; nat-s1-rpb fwd+bwd 0.5%
-# slower (1.156 -> 1.162).  3d-hunyuan (0.7 of 3) keeps the selects (the bias on every box there: 45.2-45.5 against
-# 47.5 ms in two calls, inside the rounds' spread).
+# boxes.  On an H100 it is faster on 3d-causal (2.9 of 3 axes partial) and nat-s1, 0.5% slower on nat-s1-rpb's
+# backward (kept for one rule); 3d-hunyuan (0.7 of 3) keeps the selects, where the bias measured within the
+# rounds' spread (docs/fused.md).
 MASK_IN_DOT_FROM = 0.5
 
 
@@ -114,9 +112,8 @@ def mask_in_dot(params: NAParams, launch: autotune.Launch, scale: float, inverse
 
 
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
-# are then B operands and the kernel spills less (sm_90 report on the 3-D tile: 656 -> 168 B; dK/dV on an H100,
-# session 6: 1d-32k 3.09 -> 2.27 ms, 2d-flux 33.5 -> 30.9 ms), but smaller query tiles fall under wgmma's 64-row
-# minimum (nat-s1-rpb with 32-row query tiles: 0.64 -> 0.83 ms).
+# are then B operands and the kernel spills less (and runs faster on large problems), but smaller query tiles fall
+# under wgmma's 64-row minimum and run slower that way (docs/fused.md).
 DKDV_QUERY_ROWS_FROM = 64
 
 
@@ -215,7 +212,7 @@ def _rpb_table(rpb, heads):
 
 # Launch plans: everything a launch needs besides the tensors, per (configuration, shapes, strides).
 # Eager models call the same few problems over and over, and at small maps (NAT's 14x14 stage) the
-# kernels run for less time than rebuilding these arguments took (host-bound; RESULTS.md, session 3).
+# kernels run for less time than rebuilding these arguments takes (host-bound).
 _PLANS: dict[tuple, tuple] = {}
 
 
@@ -242,7 +239,7 @@ class _Launch:
     """One kernel launch with everything but the tensors fixed (grid, scalar arguments, constexprs).
 
     Once the kernel is compiled, calls skip Triton's per-call argument binding (``compiled``): that
-    binding costs about as much as the rest of a small call (RESULTS.md, session 3).  The compiled
+    binding costs about as much as the rest of a small call.  The compiled
     kernel was specialised on which pointers were 16-byte aligned (``aligned``); a call whose pointers
     differ there, or that runs on another device, goes through Triton's normal launch instead."""
 
@@ -411,8 +408,8 @@ def _forward_full(q, k, v, rpb, params, scale, need_lse, key):
 @dataclass
 class _DirectBackward:
     """The backward's launches for one problem and layout: delta, dQ, dK/dV and (optionally) dRPB.
-    A repeated call allocates its outputs and launches the four kernels, nothing more (the first
-    call of a problem measured ~600 us of host time on the device's CPU, session 3)."""
+    A repeated call allocates its outputs and launches the four kernels, nothing more (building them takes
+    several hundred microseconds of host time)."""
 
     delta: _Launch
     dq: _Launch
