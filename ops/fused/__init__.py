@@ -9,7 +9,7 @@ default).  Kernels: ``kernels.py``; window formulas: ``window_jit.py``; host sid
 tile choice and autotuning: ``tiles.py`` / ``autotune.py``; torch.library ops: ``op.py``.
 
 Runs on CUDA tensors, and on any tensor under ``TRITON_INTERPRET=1`` (Triton's interpreter, for
-tests on CPU).  float16, bfloat16, float32 (matmuls in tf32); head dims up to 256.
+tests on CPU).  float16, bfloat16, float32 (matmuls at torch's float32 precision setting); head dims up to 256.
 """
 from __future__ import annotations
 
