@@ -328,7 +328,7 @@ def test_report_marks_host_bound_steps():
 
 
 def test_compile_modes_and_optimizer_choice():
-    from namodels.benchmark.throughput import compile_mode, optimizer_kwargs
+    from namodels.speed import compile_mode, optimizer_kwargs
 
     assert [compile_mode(v) for v in (False, None, "none", True, "reduce-overhead")] == \
         [None, None, None, "default", "reduce-overhead"]

@@ -326,3 +326,4 @@ def test_model_compile_switch_reaches_the_module(setting, mode, monkeypatch):
     assert module.hparams.compile == (mode or False)
     with pytest.raises(ValueError, match="compile"):
         ClassificationModule(**{**{k: v for k, v in module_cfg.items() if not k.startswith("_")}, "compile": "fastest"})
+

@@ -39,7 +39,7 @@ from torch import nn
 
 import ops
 
-from ..compilation import COMPILE_MODES, compile_mode
+from ..speed import COMPILE_MODES, compile_mode, optimizer_kwargs
 from . import report
 from .flops import count_macs
 from .models import force_backend, swap_dense_attention
@@ -201,13 +201,6 @@ def _inputs(make_input, batch: int, device: torch.device, channels_last: bool) -
     if channels_last:
         xs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in xs)
     return xs
-
-
-def optimizer_kwargs(opt: str, device: torch.device) -> dict:
-    """The fastest torch implementation of the optimizer on this device, the same for every model: the
-    fused (single-kernel) Adam/AdamW on CUDA, torch's default elsewhere."""
-    fused = device.type == "cuda" and opt.lower() in ("adam", "adamw")
-    return {"fused": True} if fused else {}
 
 
 def _infer_once(model, make_input, batch, device, precision, settings, channels_last):

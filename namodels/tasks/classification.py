@@ -35,10 +35,10 @@ import ops
 
 from ..data.datamodule import epoch_seed
 from ..data.decoding import UnreadableFiles
+from ..speed import compile_mode, optimizer_kwargs
 from ..utils.checks import check_choice, check_range
-from .options import merged_options, plain
-from ..compilation import compile_mode
 from .models import create_model, export_weights
+from .options import merged_options, plain
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,8 @@ class ClassificationModule(pl.LightningModule):
         if opt["name"].lower() in ("sgd", "momentum", "nesterov"):
             kwargs = dict(momentum=opt["momentum"])
         optimizer = create_optimizer_v2(self.model, opt=opt["name"], lr=lr, weight_decay=opt["weight_decay"],
-                                        layer_decay=opt["layer_decay"], **kwargs)
+                                        layer_decay=opt["layer_decay"], **kwargs,
+                                        **optimizer_kwargs(opt["name"], self.device))
         max_epochs = self.trainer.max_epochs
         epochs, warmup = schedule_epochs(sched, max_epochs)
         updates_per_epoch = max(1, int(self.trainer.estimated_stepping_batches) // max_epochs)

@@ -30,6 +30,7 @@ from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMe
 import ops
 
 from ..data.video import check_data_config
+from ..speed import optimizer_kwargs
 from ..utils.checks import check_choice, check_range
 from .options import merged_options, plain
 from .models import create_model, export_weights
@@ -172,7 +173,7 @@ class VideoTask(pl.LightningModule):
         opt, sched = self.hparams.optimizer, self.hparams.scheduler
         kwargs = dict(betas=tuple(opt["betas"]), eps=opt["eps"]) if "adam" in opt["name"].lower() else {}
         optimizer = create_optimizer_v2(self.model, opt=opt["name"], lr=opt["lr"], weight_decay=opt["weight_decay"],
-                                        **kwargs)
+                                        **kwargs, **optimizer_kwargs(opt["name"], self.device))
         total = int(self.trainer.estimated_stepping_batches)
         if total < 1 or total == float("inf"):
             raise ValueError("trainer.max_steps: the step-based schedule needs trainer.max_steps or max_epochs")
