@@ -14,8 +14,9 @@ A backend is a module-level object with
 
 Every registered backend is imported once when ``ops`` is imported (``load_all``), so that code
 traced by ``torch.compile`` never meets an import (dynamo cannot trace one: each would split the
-graph); a missing optional dependency (e.g. Triton) only disables the backend that needs it.  ``backend=None`` takes the first backend in ``PREFERENCE`` that serves the
-problem; the reasons others were rejected go to the ``ops.backends`` debug log.
+graph); a missing optional dependency (e.g. Triton) only disables the backend that needs it.
+``backend=None`` takes the first backend in ``PREFERENCE`` that serves the problem; the reasons
+others were rejected go to the ``ops.backends`` debug log.
 """
 from __future__ import annotations
 
