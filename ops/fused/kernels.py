@@ -367,6 +367,48 @@ def _sub_rows(first, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, SUB: 
 
 
 @triton.jit
+def _row_windows(first, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
+                 CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr, T0: tl.constexpr,
+                 T1: tl.constexpr, T2: tl.constexpr, SUB: tl.constexpr, IDX64: tl.constexpr):
+    """Rows ``first .. first + SUB - 1`` of the program's query tile, for the pair-by-pair paths: whether each
+    exists, its token, its clamped coordinate and window per axis, and the key - query offsets ``[lo, lo + n)`` per
+    axis that the rows' windows span."""
+    r0, r1, r2 = _sub_rows(first, T0, T1, T2, SUB)
+    ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
+    ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
+    ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
+    q_ok = ok0 & ok1 & ok2
+    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+    lo0, n0 = _offset_range(q_ok, qc0, start0, stop0)
+    lo1, n1 = _offset_range(q_ok, qc1, start1, stop1)
+    lo2, n2 = _offset_range(q_ok, qc2, start2, stop2)
+    return q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, lo0, n0, lo1, n1, lo2, n2
+
+
+@triton.jit
+def _gathered_pair(Kp, V, RPB, k_base, v_base, skt, svt, h, q, q_ok, t, lo0, lo1, lo2, n1, n2, qc0, qc1, qc2,
+                   start0, stop0, start1, stop1, start2, stop2, g0, g1, g2, L1, L2, K0, K1, K2, D0, D1, D2,
+                   offs_d, offs_dv, d_ok, dv_ok, qk_scale, HAS_RPB: tl.constexpr, IDX64: tl.constexpr):
+    """The ``t``-th window offset of each row (``_row_windows``): whether the row's window holds that key, the key's
+    and value's rows (zero where it does not), and the base-2 scaled score with its bias."""
+    o0, o1, o2 = _offset(t, lo0, lo1, lo2, n1, n2)
+    kj0 = qc0 + o0
+    kj1 = qc1 + o1
+    kj2 = qc2 + o2
+    adm = q_ok & (kj0 >= start0) & (kj0 < stop0) & (kj1 >= start1) & (kj1 < stop1)
+    adm = adm & (kj2 >= start2) & (kj2 < stop2)
+    k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+    k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=adm[:, None] & d_ok[None, :],
+                other=0.0).to(tl.float32)
+    v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=adm[:, None] & dv_ok[None, :],
+                other=0.0).to(tl.float32)
+    s = tl.sum(q * k, 1) * qk_scale
+    if HAS_RPB:
+        s += _offset_bias(RPB, h, o0, o1, o2, K0, K1, K2)
+    return adm, k, v, s
+
+
+@triton.jit
 def _attend_by_offset(Q, Kp, V, RPB, O, LSE, q_base, k_base, v_base, o_base, l_base, sqt, skt, svt, sot, slt, h,
                       tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
                       HEAD_DIM, VALUE_DIM, qk_scale, CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr,
@@ -381,35 +423,19 @@ def _attend_by_offset(Q, Kp, V, RPB, O, LSE, q_base, k_base, v_base, o_base, l_b
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < VALUE_DIM
     for first in tl.range(0, T0 * T1 * T2, SUB, num_stages=1):
-        r0, r1, r2 = _sub_rows(first, T0, T1, T2, SUB)
-        ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
-        ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
-        ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
-        q_ok = ok0 & ok1 & ok2
-        q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+        q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, lo0, n0, lo1, n1, lo2, n2 = \
+            _row_windows(first, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1,
+                         D2, CAUSAL0, CAUSAL1, CAUSAL2, T0, T1, T2, SUB, IDX64)
         q = tl.load(Q + q_base + q_tok[:, None] * sqt + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
-        lo0, n0 = _offset_range(q_ok, qc0, start0, stop0)
-        lo1, n1 = _offset_range(q_ok, qc1, start1, stop1)
-        lo2, n2 = _offset_range(q_ok, qc2, start2, stop2)
         m_i = tl.full([SUB], float("-inf"), tl.float32)
         l_i = tl.zeros([SUB], tl.float32)
         acc = tl.zeros([SUB, BLOCK_DV], tl.float32)
         for t in tl.range(0, n0 * n1 * n2, num_stages=1):
-            o0, o1, o2 = _offset(t, lo0, lo1, lo2, n1, n2)
-            kj0 = qc0 + o0
-            kj1 = qc1 + o1
-            kj2 = qc2 + o2
-            adm = q_ok & (kj0 >= start0) & (kj0 < stop0) & (kj1 >= start1) & (kj1 < stop1)
-            adm = adm & (kj2 >= start2) & (kj2 < stop2)
-            k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-            k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=adm[:, None] & d_ok[None, :],
-                        other=0.0).to(tl.float32)
-            v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=adm[:, None] & dv_ok[None, :],
-                        other=0.0).to(tl.float32)
-            s = tl.sum(q * k, 1) * qk_scale
-            if HAS_RPB:
-                s += _offset_bias(RPB, h, o0, o1, o2, K0, K1, K2)
+            adm, k, v, s = _gathered_pair(Kp, V, RPB, k_base, v_base, skt, svt, h, q, q_ok, t, lo0, lo1, lo2, n1, n2,
+                                          qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, g0, g1, g2, L1,
+                                          L2, K0, K1, K2, D0, D1, D2, offs_d, offs_dv, d_ok, dv_ok, qk_scale, HAS_RPB,
+                                          IDX64)
             s = tl.where(adm, s, float("-inf"))
             m_new = tl.maximum(m_i, s)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -439,37 +465,21 @@ def _dq_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DQ, q_base, k_base, v_base, do_
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < VALUE_DIM
     for first in tl.range(0, T0 * T1 * T2, SUB, num_stages=1):
-        r0, r1, r2 = _sub_rows(first, T0, T1, T2, SUB)
-        ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
-        ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
-        ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
-        q_ok = ok0 & ok1 & ok2
-        q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+        q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, lo0, n0, lo1, n1, lo2, n2 = \
+            _row_windows(first, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1,
+                         D2, CAUSAL0, CAUSAL1, CAUSAL2, T0, T1, T2, SUB, IDX64)
         q = tl.load(Q + q_base + q_tok[:, None] * sqt + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
         do = tl.load(DO + do_base + q_tok[:, None] * sdt + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :],
                      other=0.0).to(tl.float32)
         lse2 = tl.load(LSE + l_base + q_tok * slt + h, mask=q_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         delta = tl.load(DELTA + l_base + q_tok * slt + h, mask=q_ok, other=0.0).to(tl.float32)
-        lo0, n0 = _offset_range(q_ok, qc0, start0, stop0)
-        lo1, n1 = _offset_range(q_ok, qc1, start1, stop1)
-        lo2, n2 = _offset_range(q_ok, qc2, start2, stop2)
         dq = tl.zeros([SUB, BLOCK_D], tl.float32)
         for t in tl.range(0, n0 * n1 * n2, num_stages=1):
-            o0, o1, o2 = _offset(t, lo0, lo1, lo2, n1, n2)
-            kj0 = qc0 + o0
-            kj1 = qc1 + o1
-            kj2 = qc2 + o2
-            adm = q_ok & (kj0 >= start0) & (kj0 < stop0) & (kj1 >= start1) & (kj1 < stop1)
-            adm = adm & (kj2 >= start2) & (kj2 < stop2)
-            k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-            k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=adm[:, None] & d_ok[None, :],
-                        other=0.0).to(tl.float32)
-            v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=adm[:, None] & dv_ok[None, :],
-                        other=0.0).to(tl.float32)
-            s = tl.sum(q * k, 1) * qk_scale
-            if HAS_RPB:
-                s += _offset_bias(RPB, h, o0, o1, o2, K0, K1, K2)
+            adm, k, v, s = _gathered_pair(Kp, V, RPB, k_base, v_base, skt, svt, h, q, q_ok, t, lo0, lo1, lo2, n1, n2,
+                                          qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, g0, g1, g2, L1,
+                                          L2, K0, K1, K2, D0, D1, D2, offs_d, offs_dv, d_ok, dv_ok, qk_scale, HAS_RPB,
+                                          IDX64)
             p = tl.math.exp2(s - lse2)
             ds = tl.where(adm, p * (tl.sum(do * v, 1) - delta), 0.0)
             dq += ds[:, None] * k  # outside the window ds = 0 and k = 0
