@@ -410,6 +410,27 @@ def test_generate_writes_grid_and_seeded_images(tmp_path):
     assert tp["backend"] == "naive" and tp["images_per_s"] > 0 and tp["median_s"] > 0
 
 
+def test_images_per_second_runs_on_the_benchmark_step_timer(monkeypatch):
+    """Generator throughput is timed by the same helper as the model benchmark, with exactly
+    ``warmup + iters`` forwards and the median reported in seconds."""
+    import namodels.benchmark.timing as timing
+
+    g = tiny_generator().eval()
+    forwards, seen = [], []
+    g.register_forward_hook(lambda *_: forwards.append(1))
+
+    def spy(step, device, settings):
+        seen.append(settings)
+        for _ in range(settings.warmup + settings.iters):
+            step()
+        return [4.0, 2.0, 3.0]
+
+    monkeypatch.setattr(timing, "time_steps", spy)
+    tp = images_per_second(g, batch_size=2, iters=3, warmup=2, backend="naive")
+    assert len(forwards) == 5 and (seen[0].warmup, seen[0].iters, seen[0].min_iters) == (2, 3, 3)
+    assert tp["median_s"] == pytest.approx(0.003) and tp["images_per_s"] == pytest.approx(2 / 0.003)
+
+
 class StandIn(nn.Module):
     """Small fixed random conv features standing in for Inception (offline)."""
 

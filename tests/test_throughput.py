@@ -194,6 +194,16 @@ def test_time_steps_respects_caps_and_iterations():
         TimingSettings(iters=0)
 
 
+def test_time_steps_without_warmup_times_the_first_call():
+    from namodels.benchmark.timing import time_steps
+
+    calls = []
+    times = time_steps(lambda: calls.append(1), torch.device("cpu"), TimingSettings(warmup=0, iters=1))
+    assert len(times) == 1 and len(calls) == 1
+    with pytest.raises(ValueError, match="warmup"):
+        TimingSettings(warmup=-1)
+
+
 # ----------------------------------------------------------------------------------------- rows
 
 

@@ -1,4 +1,9 @@
-"""Timing primitives: precision settings, step timing with CUDA events, batch-size decay on OOM."""
+"""Timing primitives: precision settings, step timing with CUDA events, batch-size decay on OOM.
+
+:func:`time_steps` is the project's one step timer (the throughput benchmark, the generator's
+:func:`~namodels.tasks.generate.images_per_second`): untimed warm-up, then each step timed with CUDA
+events on a GPU or ``perf_counter`` on a CPU, synchronised one at a time, garbage collector paused.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -92,7 +97,8 @@ def with_batch_decay(run: Callable[[int], dict], batch_size: int, *, min_batch_s
 @dataclass
 class TimingSettings:
     """Warm-up steps (untimed; the first includes compilation), timed steps, and caps in seconds of
-    wall time on each (at least one warm-up and ``min_iters`` timed steps always run).
+    wall time on each (``min_iters`` timed steps always run, and every warm-up step up to the first
+    past ``warmup_cap_s``; ``warmup=0`` times from the first call, for a call too slow to repeat).
 
     ``keep_gc``: leave Python's garbage collector on during the timed steps.  Off by default, as in
     ``timeit``: a full collection in a long benchmark process (many models built and dropped) can
@@ -107,7 +113,9 @@ class TimingSettings:
     keep_gc: bool = False
 
     def __post_init__(self):
-        for name in ("warmup", "iters", "min_iters"):
+        if int(self.warmup) < 0:
+            raise ValueError(f"warmup: must be >= 0, got {self.warmup}")
+        for name in ("iters", "min_iters"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.min_iters > self.iters:

@@ -134,38 +134,28 @@ def run(cfg) -> dict:
 def images_per_second(generator, batch_size: int = 16, iters: int = 10, warmup: int = 2, backend: str | None = None,
                       dtype: torch.dtype | None = torch.bfloat16) -> dict:
     """Generator throughput (eval mode, autocast to ``dtype`` on CUDA) under one NA backend: median
-    time of ``iters`` timed forwards after ``warmup`` (CUDA events on GPUs).  For throughput tables
+    time of ``iters`` timed forwards after ``warmup``, timed by the benchmark's step timer
+    (:func:`namodels.benchmark.timing.time_steps`: CUDA events on GPUs).  For throughput tables
     (``eval.py`` throughput task, ``benchmarks/stylenat_bench.py``)."""
-    import statistics
-    import time
+    import itertools
 
     import ops
+    from namodels.benchmark.timing import TimingSettings, median_ms, time_steps
 
     device = next(generator.parameters()).device
     cuda = device.type == "cuda"
     generator.eval()
     zs = [torch.randn(batch_size, generator.style_dim, device=device) for _ in range(3)]
+    calls = itertools.count()
 
-    def forward(i):
+    def forward():
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=cuda and dtype is not None):
-            return generator(zs[i % len(zs)])
+            return generator(zs[next(calls) % len(zs)])
 
-    times = []
+    # exactly `warmup` + `iters` calls: no wall-time caps
+    settings = TimingSettings(warmup=warmup, iters=iters, min_iters=iters, cap_s=math.inf, warmup_cap_s=math.inf)
     with ops.use_backend(backend):
-        for i in range(warmup):
-            forward(i)
-        for i in range(iters):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                forward(i)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1000)
-            else:
-                t = time.perf_counter()
-                forward(i)
-                times.append(time.perf_counter() - t)
-    median = statistics.median(times)
+        times_ms = time_steps(forward, device, settings)
+    median = median_ms(times_ms) / 1000
     return {"backend": backend or "auto", "batch": batch_size, "median_s": median, "images_per_s": batch_size / median,
             "iters": iters}
