@@ -88,7 +88,7 @@ def main():
     import timm
 
     import namodels  # noqa: F401
-    from namodels.benchmark.models import force_backend, swap_dense_attention
+    from namodels.benchmark.models import swap_dense_attention
 
     img = torch.randn(1, 3, 224, 224, device="cuda")
     for backend in ("fused", "sdpa"):
@@ -100,7 +100,7 @@ def main():
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
                 model(img)
 
-        with force_backend(model, None if backend == "sdpa" else backend):
+        with namodels.set_backend(model, None if backend == "sdpa" else backend):
             print(f"| nat_tiny batch 1 forward, {backend} | {per_call_us(fwd, 30):.1f} |", flush=True)
 
 

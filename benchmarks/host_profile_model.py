@@ -9,8 +9,8 @@ import pstats
 import timm
 import torch
 
-import namodels  # noqa: F401
-from namodels.benchmark.models import force_backend, swap_dense_attention
+import namodels
+from namodels.benchmark.models import swap_dense_attention
 
 
 def main():
@@ -30,7 +30,7 @@ def main():
         with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
             model(img)
 
-    with force_backend(model, None if args.backend == "sdpa" else args.backend):
+    with namodels.set_backend(model, None if args.backend == "sdpa" else args.backend):
         for _ in range(5):
             fwd()
         prof = cProfile.Profile()

@@ -12,8 +12,9 @@ import timm
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import namodels  # noqa: F401  (registers the models)
-from namodels.benchmark.models import force_backend, swap_dense_attention
+import namodels  # registers the models
+from namodels.benchmark.models import swap_dense_attention
+from namodels.benchmark.timing import TimingSettings, median_ms, time_steps
 
 
 def main():
@@ -45,25 +46,16 @@ def main():
                 with torch.no_grad():
                     model(x)
 
-    with force_backend(model, backend):
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
+    with namodels.set_backend(model, backend):
+        settings = TimingSettings(warmup=3, iters=args.iters, min_iters=args.iters, cap_s=float("inf"),
+                                  warmup_cap_s=float("inf"))
+        times = time_steps(step, torch.device("cuda"), settings)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.iters):
                 step()
             torch.cuda.synchronize()
-    times.sort()
     print(f"{args.model} backend={args.backend} batch={args.batch} train={args.train}: "
-          f"median step {times[len(times) // 2]:.2f} ms")
+          f"median step {median_ms(times):.2f} ms")
     totals, counts = {}, {}
     for evt in prof.key_averages():
         t = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)

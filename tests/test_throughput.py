@@ -14,7 +14,7 @@ import namodels  # noqa: F401  registers the models
 import ops
 from namodels.benchmark import report
 from namodels.benchmark.flops import count_macs, na_macs
-from namodels.benchmark.models import DenseSelfAttention, force_backend, swap_dense_attention
+from namodels.benchmark.models import DenseSelfAttention, swap_dense_attention
 from namodels.benchmark.throughput import (BenchOptions, main, measure_throughput, model_groups, model_spec,
                                            run_benchmarks)
 from namodels.benchmark.timing import TimingSettings, is_oom, with_batch_decay
@@ -237,14 +237,6 @@ def test_channels_last_row():
                              batch_size=2, img_size=32, device="cpu", settings=FAST, channels_last=True,
                              train=False)
     assert row["status"] == "ok" and row["channels_last"] is True and row["infer_samples_per_sec"] > 0
-
-
-def test_force_backend_overrides_module_backends():
-    model = nn.Sequential(ops.NeighborhoodAttention2D(8, 2, 3, backend="gemm"))
-    seen = []
-    with force_backend(model, "naive"):
-        seen.append((model[0].backend, ops.current_backend()))
-    assert seen == [("naive", "naive")] and model[0].backend == "gemm" and ops.current_backend() is None
 
 
 def test_video_spec_runs():

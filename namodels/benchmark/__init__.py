@@ -7,9 +7,9 @@
 * :func:`~namodels.benchmark.flops.count_macs`: GMACs with neighborhood attention counted analytically.
 """
 from .flops import count_macs
-from .models import force_backend, swap_dense_attention
+from .models import swap_dense_attention
 from .throughput import BenchOptions, ModelSpec, measure_throughput, model_spec, run_benchmarks
 from .timing import TimingSettings
 
-__all__ = ["BenchOptions", "ModelSpec", "TimingSettings", "count_macs", "force_backend", "measure_throughput",
+__all__ = ["BenchOptions", "ModelSpec", "TimingSettings", "count_macs", "measure_throughput",
            "model_spec", "run_benchmarks", "swap_dense_attention"]

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import ops
 from ops.window import NAParams, keys_per_query
 
-from .models import force_backend
+from ..backend import set_backend
 
 __all__ = ["BACKEND", "COUNT_BACKEND", "count_macs", "na_macs"]
 
@@ -106,7 +106,7 @@ def count_macs(model: nn.Module, inputs) -> dict:
         p.requires_grad_(False)
     _tally.macs = [0.0]
     try:
-        with force_backend(model, COUNT_BACKEND), FlopCounterMode(display=False,
+        with set_backend(model, COUNT_BACKEND), FlopCounterMode(display=False,
                                                                   custom_mapping=_custom_formulas()) as counter:
             model(*inputs)
         na = _tally.macs[0]

@@ -1,13 +1,10 @@
-"""Model transforms for the throughput benchmark: force an NA backend on a whole model, and swap its
-neighborhood attention for dense attention (torch SDPA over all tokens), the baseline NA is held against.
-
-Neither transform touches ``ops``: the backend is forced through the ``backend`` attribute every NA
-module of the project carries (plus ``ops.use_backend`` for anything that reads the context), and the
-dense swap replaces module instances, sharing their ``qkv`` / ``rpb`` / ``proj`` parameters.
+"""The dense-attention baseline of the throughput benchmark: a model's neighborhood attention swapped
+for dense attention (torch SDPA over all tokens).  The swap replaces module instances, sharing their
+``qkv`` / ``rpb`` / ``proj`` parameters, and touches neither ``ops`` nor the rest of the model.  (Setting
+a model's NA backend: :func:`namodels.set_backend`.)
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -15,46 +12,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import ops
-from ops.modules import _NeighborhoodAttention
 
-__all__ = ["DenseSelfAttention", "force_backend", "na_modules", "swap_dense_attention", "dense_rpb_bias"]
+__all__ = ["DenseSelfAttention", "swap_dense_attention", "dense_rpb_bias"]
 
 RPB_MODES = ("drop", "bias")
-
-
-def na_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules of the project that call neighborhood attention: they have a ``backend`` attribute and
-    live in ``ops`` or ``namodels`` (NAT/DiNAT layers, StyleNAT's Hydra-NA, the video attention)."""
-    found = []
-    for name, module in model.named_modules():
-        owner = type(module).__module__
-        if hasattr(module, "backend") and (owner.startswith("ops.") or owner.startswith("namodels.")):
-            backend = getattr(module, "backend")
-            if backend is None or isinstance(backend, str):
-                found.append((name, module))
-    return found
-
-
-@contextlib.contextmanager
-def force_backend(model: nn.Module, name: str | None):
-    """Runs every NA call of ``model`` on backend ``name`` inside the block, whatever the modules were
-    built with (a module's own ``backend=`` wins over ``ops.use_backend``, so both are set)."""
-    modules = [m for _, m in na_modules(model)]
-    saved = [m.backend for m in modules]
-    for m in modules:
-        m.backend = name
-    try:
-        with ops.use_backend(name):
-            yield
-    finally:
-        for m, b in zip(modules, saved):
-            m.backend = b
+_OPS_NA = (ops.NeighborhoodAttention1D, ops.NeighborhoodAttention2D, ops.NeighborhoodAttention3D)
 
 
 def _swappable(module: nn.Module) -> bool:
     """Plain NA self-attention ``forward(x)`` on ``[B, *spatial, C]`` (the video attention takes rotary
     tables as well and is not swapped)."""
-    if not isinstance(module, _NeighborhoodAttention):
+    if not isinstance(module, _OPS_NA):
         return False
     return getattr(type(module).forward, "__code__", None) is not None and \
         type(module).forward.__code__.co_argcount == 2
@@ -86,7 +54,7 @@ class DenseSelfAttention(nn.Module):
     order: a key is admitted iff it is not after the query on every causal axis.
     """
 
-    def __init__(self, na: _NeighborhoodAttention, rpb: str = "drop"):
+    def __init__(self, na: nn.Module, rpb: str = "drop"):
         super().__init__()
         if rpb not in RPB_MODES:
             raise ValueError(f"rpb: expected one of {RPB_MODES}, got {rpb!r}")

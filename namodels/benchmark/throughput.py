@@ -39,10 +39,11 @@ from torch import nn
 
 import ops
 
+from ..backend import set_backend
 from ..speed import COMPILE_MODES, compile_mode, optimizer_kwargs
 from . import report
 from .flops import count_macs
-from .models import force_backend, swap_dense_attention
+from .models import swap_dense_attention
 from .timing import (PRECISIONS, TimingSettings, autocast, check_precision, cuda_context_ok, free_memory,
                      gpu_time_ms, median_ms, peak_memory, tf32_mode, time_steps, with_batch_decay)
 
@@ -297,7 +298,7 @@ def measure_throughput(
         row["infer_gmacs"] = round(macs["macs"] / 1e9, 6)
         row["na_gmacs"] = round(macs["na_macs"] / 1e9, 6)
     runner = torch.compile(model, mode=mode) if mode else model
-    backend_ctx = force_backend(model, na_backend) if na_backend else contextlib.nullcontext()
+    backend_ctx = set_backend(model, na_backend) if na_backend else contextlib.nullcontext()
     phases = [("infer", infer), ("train", train)]
     skip_reason = None
     with backend_ctx, tf32_mode(PRECISIONS[precision][1]):

@@ -36,6 +36,7 @@ from torch import nn
 
 import ops
 
+from ..backend import register_na_module
 from .backbone import check_batch, check_model_arguments
 from .layers import init_weights
 
@@ -257,6 +258,7 @@ def _check_windows(windows, resolution: int, name: str) -> list[tuple[int, int]]
     return out
 
 
+@register_na_module
 class HydraNeighborhoodAttention(nn.Module):
     """Multi-head 2-D neighborhood attention whose heads are split into groups, each group with its
     own kernel size, dilation and relative positional bias (``rpb.<g>: [heads_g, 2K-1, 2K-1]``).
