@@ -119,7 +119,10 @@ def _create_dinat_s(variant: str, pretrained: bool = False, **kwargs) -> DiNAT_s
     )
 
 
-_URL = "https://shilab.cs.uoregon.edu/projects/dinat/checkpoints/"
+# The authors' files, linked from DiNAT.md and classification/dinats.py of
+# github.com/SHI-Labs/Neighborhood-Attention-Transformer (official layout; docs/models.md lists every tag).
+# No Hugging Face hub copy of DiNAT_s is published.
+_URL = "https://shi-labs.com/projects/dinat/checkpoints/"
 
 
 def _cfg(url: str = "", **kwargs):
@@ -136,12 +139,12 @@ def _cfg(url: str = "", **kwargs):
 
 
 default_cfgs = generate_default_cfgs({
-    "dinat_s_tiny.in1k": _cfg(_URL + "imagenet1k/dinat_s_tiny_1k_224.pth"),
-    "dinat_s_small.in1k": _cfg(_URL + "imagenet1k/dinat_s_small_1k_224.pth"),
-    "dinat_s_base.in1k": _cfg(_URL + "imagenet1k/dinat_s_base_1k_224.pth"),
-    "dinat_s_large.in22k_ft_in1k": _cfg(_URL + "imagenet1k/dinat_s_large_1k_224.pth"),
+    "dinat_s_tiny.in1k": _cfg(_URL + "imagenet1k/dinat_s_tiny_in1k_224.pth"),
+    "dinat_s_small.in1k": _cfg(_URL + "imagenet1k/dinat_s_small_in1k_224.pth"),
+    "dinat_s_base.in1k": _cfg(_URL + "imagenet1k/dinat_s_base_in1k_224.pth"),
+    "dinat_s_large.in22k_ft_in1k": _cfg(_URL + "imagenet1k/dinat_s_large_in1k_224.pth"),
     "dinat_s_large.in22k": _cfg(_URL + "imagenet22k/dinat_s_large_in22k_224.pth", num_classes=21841),
-    "dinat_s_large_384.in22k_ft_in1k": _cfg(_URL + "imagenet1k/dinat_s_large_1k_384.pth",
+    "dinat_s_large_384.in22k_ft_in1k": _cfg(_URL + "imagenet1k/dinat_s_large_in1k_384.pth",
                                             input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0),
 })
 

@@ -227,13 +227,21 @@ def dilated(depths: Sequence[int], every_other: Sequence[int]) -> list[list[int]
     return [[d if j % 2 else 1 for j in range(n)] for n, d in zip(depths, every_other)]
 
 
+# Weights are published in two places (docs/models.md lists every tag with its source):
+# * the authors' files, linked from NAT.md / DiNAT.md of github.com/SHI-Labs/Neighborhood-Attention-Transformer
+#   (official layout: loaded as they are);
+# * the authors' Hugging Face hub copies of the ImageNet-1k classifiers, huggingface.co/shi-labs/<repo>
+#   (transformers layout, renamed by ``checkpoint_filter_fn``).
+# timm takes ``hf_hub_id`` when huggingface_hub is installed (cached under $HF_HUB_CACHE, HF_HUB_OFFLINE=1 works
+# from the cache) and the ``url`` otherwise; the ImageNet-22k files are published only as urls.
 _NAT_URL = "https://shi-labs.com/projects/nat/checkpoints/CLS/"
-_DINAT_URL = "https://shilab.cs.uoregon.edu/projects/dinat/checkpoints/"
+_DINAT_URL = "https://shi-labs.com/projects/dinat/checkpoints/"
 
 
-def _cfg(url: str = "", **kwargs):
+def _cfg(url: str = "", hf_hub_id: str | None = None, **kwargs):
     return {
         "url": url,
+        **({"hf_hub_id": hf_hub_id} if hf_hub_id else {}),
         "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7),
         "crop_pct": 0.875, "interpolation": "bicubic", "fixed_input_size": False,
         "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
@@ -247,26 +255,35 @@ _384 = dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0)
 _NAT_PAPER = dict(paper_ids="arXiv:2204.07143", paper_name="Neighborhood Attention Transformer")
 _DINAT_PAPER = dict(paper_ids="arXiv:2209.15001", paper_name="Dilated Neighborhood Attention Transformer")
 
+
+def _nat(size: str):
+    return _cfg(f"{_NAT_URL}nat_{size}.pth", hf_hub_id=f"shi-labs/nat-{size}-in1k-224", **_NAT_PAPER)
+
+
+def _dinat(file: str, hf_hub_id: str | None = None, **kwargs):
+    return _cfg(_DINAT_URL + file, hf_hub_id=hf_hub_id, **kwargs, **_DINAT_PAPER)
+
+
 default_cfgs = generate_default_cfgs({
-    "nat_mini.in1k": _cfg(_NAT_URL + "nat_mini.pth", **_NAT_PAPER),
-    "nat_tiny.in1k": _cfg(_NAT_URL + "nat_tiny.pth", **_NAT_PAPER),
-    "nat_small.in1k": _cfg(_NAT_URL + "nat_small.pth", **_NAT_PAPER),
-    "nat_base.in1k": _cfg(_NAT_URL + "nat_base.pth", **_NAT_PAPER),
-    "dinat_mini.in1k": _cfg(_DINAT_URL + "imagenet1k/dinat_mini_in1k_224.pth", **_DINAT_PAPER),
-    "dinat_tiny.in1k": _cfg(_DINAT_URL + "imagenet1k/dinat_tiny_in1k_224.pth", **_DINAT_PAPER),
-    "dinat_small.in1k": _cfg(_DINAT_URL + "imagenet1k/dinat_small_in1k_224.pth", **_DINAT_PAPER),
-    "dinat_base.in1k": _cfg(_DINAT_URL + "imagenet1k/dinat_base_in1k_224.pth", **_DINAT_PAPER),
-    "dinat_large.in22k_ft_in1k": _cfg(_DINAT_URL + "imagenet1k/dinat_large_in22k_in1k_224.pth", **_DINAT_PAPER),
-    "dinat_large.in22k": _cfg(_DINAT_URL + "imagenet22k/dinat_large_in22k_224.pth", num_classes=21841,
-                              **_DINAT_PAPER),
-    "dinat_large_384.in22k_ft_in1k": _cfg(_DINAT_URL + "imagenet1k/dinat_large_in22k_in1k_384.pth", **_384,
-                                          **_DINAT_PAPER),
-    "dinat_large_384_11x11.in22k_ft_in1k": _cfg(_DINAT_URL + "imagenet1k/dinat_large_in22k_in1k_384_11x11.pth",
-                                                **_384, **_DINAT_PAPER),
+    "nat_mini.in1k": _nat("mini"),
+    "nat_tiny.in1k": _nat("tiny"),
+    "nat_small.in1k": _nat("small"),
+    "nat_base.in1k": _nat("base"),
+    "dinat_mini.in1k": _dinat("imagenet1k/dinat_mini_in1k_224.pth", "shi-labs/dinat-mini-in1k-224"),
+    "dinat_tiny.in1k": _dinat("imagenet1k/dinat_tiny_in1k_224.pth", "shi-labs/dinat-tiny-in1k-224"),
+    "dinat_small.in1k": _dinat("imagenet1k/dinat_small_in1k_224.pth", "shi-labs/dinat-small-in1k-224"),
+    "dinat_base.in1k": _dinat("imagenet1k/dinat_base_in1k_224.pth", "shi-labs/dinat-base-in1k-224"),
+    "dinat_large.in22k_ft_in1k": _dinat("imagenet1k/dinat_large_in22k_in1k_224.pth",
+                                        "shi-labs/dinat-large-in22k-in1k-224"),
+    "dinat_large.in22k": _dinat("imagenet22k/dinat_large_in22k_224.pth", num_classes=21841),
+    "dinat_large_384.in22k_ft_in1k": _dinat("imagenet1k/dinat_large_in22k_in1k_384.pth",
+                                            "shi-labs/dinat-large-in22k-in1k-384", **_384),
+    "dinat_large_384_11x11.in22k_ft_in1k": _dinat("imagenet1k/dinat_large_in22k_in1k_384_11x11.pth",
+                                                  "shi-labs/dinat-large-11x11-in22k-in1k-384", **_384),
     # ImageNet-22K DiNAT-Large weights with the 7x7 RPB bicubic-resized to 11x11: the starting point of
     # the 384 11x11 fine-tune.
-    "dinat_large_384_11x11.in22k": _cfg(_DINAT_URL + "imagenet22k/dinat_large_in22k_224_11x11interp.pth",
-                                        num_classes=21841, **_384, **_DINAT_PAPER),
+    "dinat_large_384_11x11.in22k": _dinat("imagenet22k/dinat_large_in22k_224_11x11interp.pth", num_classes=21841,
+                                          **_384),
 })
 
 _MINI = dict(depths=(3, 4, 6, 5), num_heads=(2, 4, 8, 16), embed_dim=64, mlp_ratio=3, drop_path_rate=0.2)
