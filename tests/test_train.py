@@ -96,6 +96,54 @@ def test_every_experiment_composes(experiment):
         assert (aug["auto_augment"], aug["re_prob"]) == ("rand-m9-mstd0.5-inc1", 0.25)
 
 
+# The published stochastic-depth rate (and input size) of each NAT-family ImageNet recipe: the experiments
+# name only the variant (model=nat model.name=...), the rest comes from the timm registry.
+PUBLISHED = {
+    "nat_mini_in1k": 0.2, "nat_tiny_in1k": 0.2, "nat_small_in1k": 0.3, "nat_base_in1k": 0.5,
+    "nat_mini_synthetic": 0.2,
+    "dinat_mini_in1k": 0.2, "dinat_tiny_in1k": 0.2, "dinat_small_in1k": 0.3, "dinat_base_in1k": 0.5,
+    "dinat_large_in1k_ft": 0.35, "dinat_large_384_in1k_ft": 0.35, "dinat_large_384_11x11_in1k_ft": 0.35,
+    "dinat_s_tiny_in1k": 0.2, "dinat_s_small_in1k": 0.3, "dinat_s_base_in1k": 0.5,
+    "dinat_s_large_in1k_ft": 0.35, "dinat_s_large_384_in1k_ft": 0.35,
+}
+
+
+def test_nat_family_experiments_are_listed():
+    family = [e for e in _names("experiment")
+              if "override /model: nat\n" in open(os.path.join(CONFIGS, "experiment", e + ".yaml")).read()]
+    assert sorted(family) == sorted(PUBLISHED)
+
+
+@pytest.mark.parametrize("experiment", sorted(PUBLISHED))
+def test_nat_family_experiment_takes_the_variants_published_settings(experiment):
+    from timm.data import resolve_model_data_config
+    from timm.layers import DropPath
+
+    cfg = compose_cfg("train", [f"experiment={experiment}", "model.pretrained_file=/weights/in22k.pth"])
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    assert plain["model"]["drop_path_rate"] is None and plain["model"]["compile"] == "reduce-overhead"
+    assert plain["task"]["module"]["compile"] == plain["model"]["compile"]
+    with torch.device("meta"):
+        model = create_model(dict(plain["model"], pretrained=False, pretrained_file=None), 1000)
+    rates = [m.drop_prob for m in model.modules() if isinstance(m, DropPath)]
+    assert max(rates) == pytest.approx(PUBLISHED[experiment])  # linear from 0: the last block has the rate
+    defaults = resolve_model_data_config(model)
+    assert plain["data"]["img_size"] == defaults["input_size"][-1]
+    assert plain["data"].get("eval", {}).get("crop_pct") is None  # the eval crop follows the variant's pretrained_cfg
+    assert defaults["crop_pct"] == (1.0 if defaults["input_size"][-1] == 384 else 0.875)
+
+
+@pytest.mark.parametrize("name", ["nat_tiny", "dinat_large_384", "dinat_s_small"])
+def test_one_model_config_for_the_nat_family(name):
+    cfg = compose_cfg("train", ["model=nat", f"model.name={name}", "model.compile=default"])
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    assert plain["run_name"] == f"{name}-digits" and plain["task"]["module"]["compile"] == "default"
+    assert set(plain["model"]) == set(compose_cfg("train", ["model=timm", "model.name=x"]).model)
+    with torch.device("meta"):
+        model = create_model(dict(plain["model"], compile=False), 10)
+    assert type(model).__module__.startswith("namodels.models.")
+
+
 @pytest.mark.parametrize("trainer", _names("trainer"))
 def test_trainer_configs_compose(trainer):
     plain = OmegaConf.to_container(compose_cfg("train", [f"trainer={trainer}"]), resolve=True)
