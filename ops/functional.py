@@ -86,6 +86,32 @@ def _validate_params(spatial, kernel_size, stride, dilation, is_causal) -> NAPar
     return NAParams(tuple(int(L) for L in spatial), kernel_size, stride, dilation, is_causal)
 
 
+def window_params(t: torch.Tensor, rank: int, kernel_size, stride=1, dilation=1, is_causal=False,
+                  name: str = "query") -> NAParams:
+    """``make_params`` for the spatial axes of a heads-last tensor ``t``; a window that does not fit names the
+    heads-last layout when ``t`` would fit read heads-first (``[B, heads, *spatial, D]``, SDPA's layout)."""
+    try:
+        return make_params(tuple(t.shape[1: rank + 1]), kernel_size, stride, dilation, is_causal)
+    except ValueError as err:
+        hint = _heads_first_hint(t, rank, (kernel_size, stride, dilation, is_causal), name)
+        raise ValueError(f"{err}{hint}") from None
+
+
+def _heads_first_hint(t: torch.Tensor, rank: int, window_args, name: str) -> str:
+    """The fix, when the window arguments fit axes 2.. of ``t`` (its spatial axes if it is heads-first)."""
+    shape = tuple(t.shape)
+    if len(shape) != rank + 3:
+        return ""
+    try:
+        _validate_params(shape[2: rank + 2], *window_args)
+    except (ValueError, TypeError):
+        return ""
+    axes = ", ".join(f"L{a}" for a in range(rank))
+    return (f". The tensors are read heads-last, [B, {axes}, heads, D]; {name} of shape {shape} looks heads-first "
+            f"[B, heads, {axes}, D] (SDPA's layout): pass x.movedim(1, -2) (and move the output back with "
+            f"out.movedim(-2, 1))")
+
+
 def check_heads_last(name: str, t, rank: int) -> None:
     """A tensor in the heads-last layout ``[B, *spatial, H, D]`` of a ``rank``-D problem."""
     if not isinstance(t, torch.Tensor):
@@ -150,7 +176,7 @@ def _check_tensors(rank, query, key, value, rpb, params_args, additional_keys, a
     if any(n == 0 for n in query.shape):
         raise ValueError(f"query: empty tensor of shape {tuple(query.shape)}")
 
-    params = make_params(tuple(query.shape[1 : rank + 1]), *params_args)
+    params = window_params(query, rank, *params_args)
 
     check_rpb(rpb, query, params)
 

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from .functional import check_rpb, check_tensor_pair, make_params
+from .functional import check_rpb, check_tensor_pair, window_params
 from .gemm.autograd import AV, QK
 
 __all__ = ["na_qk", "na_av", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av", "na3d_av"]
@@ -73,7 +73,7 @@ def na_qk(rank: int, query, key, kernel_size, stride=1, dilation=1, is_causal=Fa
     _check_pair(rank, query, key, ("query", "key"))
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"head dim: key head dim {key.shape[-1]} differs from query head dim {query.shape[-1]}")
-    params = make_params(tuple(query.shape[1: rank + 1]), kernel_size, stride, dilation, is_causal)
+    params = window_params(query, rank, kernel_size, stride, dilation, is_causal)
     check_rpb(rpb, query, params)
     logits = _apply(QK, _flat(query, rank), _flat(key, rank), rpb, params)
     return logits.reshape(*query.shape[:-1], params.window_size)
@@ -85,7 +85,7 @@ def na_av(rank: int, attn, value, kernel_size, stride=1, dilation=1, is_causal=F
     Returns ``[B, *spatial, H, Dv]``; slot order as in ``na_qk``.
     """
     _check_pair(rank, attn, value, ("attn", "value"))
-    params = make_params(tuple(attn.shape[1: rank + 1]), kernel_size, stride, dilation, is_causal)
+    params = window_params(attn, rank, kernel_size, stride, dilation, is_causal, name="attn")
     if attn.shape[-1] != params.window_size:
         raise ValueError(
             f"attn: last dim must be prod(kernel_size) = {params.window_size} (one weight per window slot), "

@@ -68,6 +68,28 @@ def test_error_names_the_axis():
         ops.na2d(q, k, v, kernel_size=(3, 5))
 
 
+@pytest.mark.parametrize("rank, call", [
+    (2, lambda q: ops.na2d(q, q, q, kernel_size=7)),
+    (2, lambda q: ops.na2d_qk(q, q, kernel_size=7)),
+    (1, lambda q: ops.na1d(q, q, q, kernel_size=5)),
+    (3, lambda q: ops.na3d(q, q, q, kernel_size=(3, 5, 5), is_causal=(True, False, False))),
+])
+def test_heads_first_tensors_name_the_heads_last_layout(rank, call):
+    """[B, heads, *spatial, D] (SDPA's layout) fails the window check on the heads axis: the error names the
+    layout the ops take and how to get there, and the moved tensors then work."""
+    q = torch.randn(1, 2, *([4] if rank == 3 else []), *([16] * min(rank, 2)), 8)
+    with pytest.raises(ValueError, match=r"kernel_size: axis 0.*heads-last.*heads-first.*movedim\(1, -2\)"):
+        call(q)
+    call(q.movedim(1, -2))
+
+
+def test_window_larger_than_the_map_gives_no_layout_hint():
+    q, k, v = qkv()  # heads-last, 8x8 map: read heads-first the window would not fit either
+    with pytest.raises(ValueError, match="kernel_size") as err:
+        ops.na2d(q, k, v, kernel_size=9)
+    assert "heads-first" not in str(err.value)
+
+
 def test_module_rejects_bad_config():
     with pytest.raises(ValueError, match="rel_pos_bias"):
         ops.NeighborhoodAttention3D(16, 2, 3, is_causal=(True, False, False), rel_pos_bias=True)
