@@ -1,5 +1,7 @@
 """Evaluate: ``python eval.py ckpt_path=<file.ckpt>`` or ``python eval.py model.name=<name>
 model.pretrained_file=<weights>`` (see configs/eval.yaml; ``task=`` picks what is measured)."""
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
@@ -12,4 +14,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from namodels.tasks.overrides import check_overrides
+
+    check_overrides(sys.argv[1:])  # a misspelled trainer key fails with "did you mean", before Hydra
     main()

@@ -3,6 +3,8 @@
 Default: nat_digits on the built-in sklearn digits (CPU, a few minutes).  ImageNet recipes:
 ``python train.py experiment=nat_mini_in1k data.root=/path/to/imagenet``.
 """
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
@@ -15,4 +17,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from namodels.tasks.overrides import check_overrides
+
+    check_overrides(sys.argv[1:])  # a misspelled trainer key fails with "did you mean", before Hydra
     main()

@@ -375,3 +375,51 @@ def test_model_compile_switch_reaches_the_module(setting, mode, monkeypatch):
     with pytest.raises(ValueError, match="compile"):
         ClassificationModule(**{**{k: v for k, v in module_cfg.items() if not k.startswith("_")}, "compile": "fastest"})
 
+
+
+def test_image_size_below_the_model_minimum_names_data_img_size(tmp_path, trained_with_mixup_and_ema):
+    """nat_digits' windows need 21 px inputs: a smaller data.img_size fails naming the key and the minimum, in
+    train.py before data is loaded, and in eval.py."""
+    with pytest.raises(ValueError, match=r"data.img_size: 16 px is below 21 px, the smallest input nat_digits"):
+        _train(tmp_path, "data.img_size=16")
+    _train(tmp_path, "data.img_size=21", "trainer.max_epochs=1", "trainer.limit_train_batches=1",
+           "trainer.limit_val_batches=1", "export=false")
+    ckpt = trained_with_mixup_and_ema[2]["best_checkpoint"]
+    with pytest.raises(ValueError, match=r"data.img_size: 20 px is below 21 px"):
+        _eval(tmp_path, f"ckpt_path={ckpt}", "data.img_size=20")
+
+
+def test_recipe_checks_the_data_path_before_the_gpu_trainer(tmp_path):
+    cfg = compose_cfg("train", ["experiment=nat_mini_in1k", f"data.root={tmp_path / 'missing'}",
+                                f"paths.root_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"data.root: dataset root .*missing' does not exist"):
+        fit(cfg)
+    (tmp_path / "imagenet" / "train" / "n01").mkdir(parents=True)
+    cfg = compose_cfg("train", ["experiment=nat_mini_in1k", f"data.root={tmp_path / 'imagenet'}",
+                                f"paths.root_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"data.root: split folder .*val' does not exist"):
+        fit(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_gpu_trainer_without_a_gpu_names_trainer_cpu(tmp_path):
+    for split in ("train", "val"):
+        (tmp_path / "imagenet" / split / "n01").mkdir(parents=True)
+    cfg = compose_cfg("train", ["experiment=nat_mini_in1k", f"data.root={tmp_path / 'imagenet'}",
+                                f"paths.root_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"trainer.accelerator: 'gpu' needs a CUDA GPU.*add trainer=cpu"):
+        fit(cfg)
+
+
+def test_misspelled_trainer_key_suggests_the_argument():
+    from namodels.tasks.overrides import unknown_trainer_keys
+
+    assert unknown_trainer_keys(["trainer.max_epochs=3", "trainer.strategy.static_graph=true", "trainer=gpu",
+                                 "data.img_size=32", "-m", "+trainer.deterministic=true"]) == []
+    (message,) = unknown_trainer_keys(["trainer.max_epoch=3"])
+    assert message.startswith("trainer.max_epoch: not an argument of lightning.pytorch.Trainer; "
+                              "did you mean trainer.max_epochs")
+    assert "trainer.devices" in unknown_trainer_keys(["+trainer.devcies=2"])[0]
+    proc = subprocess.run([sys.executable, "train.py", "trainer.max_epoch=3"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "did you mean trainer.max_epochs" in proc.stderr, proc.stderr[-2000:]

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from ..utils.checks import check_choice, check_range
 from .decoding import Unreadable
-from .sources import FORMATS, SyntheticImages, build_splits
+from .sources import FORMATS, SyntheticImages, build_splits, check_paths
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,10 @@ class ClassificationDataModule(pl.LightningDataModule):
         val = create_transform(size, is_training=False, interpolation=ev["interpolation"], mean=ev["mean"],
                                std=ev["std"], crop_pct=ev["crop_pct"])
         return train, val
+
+    def check_source(self) -> None:
+        """Fails on a missing ``data.root`` or split path before the run builds its model and trainer."""
+        check_paths(self.cfg)
 
     # ---- Lightning hooks -------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:

@@ -176,6 +176,30 @@ def _classes(reader) -> list[str]:
         [name for name, _ in sorted(reader.class_name_to_idx.items(), key=lambda kv: kv[1])]
 
 
+def check_paths(cfg: dict) -> None:
+    """The dataset's root and split paths exist (no directory scan, no decoding): a wrong ``data.root`` fails
+    at once, before a trainer or model is built."""
+    fmt = cfg.get("format")
+    if fmt not in FORMATS:
+        raise ValueError(f"data.format: unknown format {fmt!r}; choose one of {FORMATS}")
+    if fmt in ("digits", "synthetic"):
+        return
+    root, train, val = cfg.get("root"), cfg.get("train_split", "train"), cfg.get("val_split", "val")
+    if not root:
+        raise DatasetLayoutError(f"data.root: not set; format {fmt!r} expects {_layout(fmt, '<root>', train, val)}")
+    root = os.path.expanduser(str(root))
+    layout = _layout(fmt, root, train, val)
+    _require_dir(root, "dataset root", layout)
+    for split in ((train, val) if fmt != "image_folder" else ()):
+        if fmt == "folder" and not os.path.isdir(os.path.join(root, split)):
+            raise DatasetLayoutError(
+                f"data.root: split folder {os.path.join(root, split)!r} does not exist; expected {layout}")
+        if fmt == "tar" and not (os.path.isfile(os.path.join(root, split + ".tar"))
+                                 or glob.glob(os.path.join(root, split, "*.tar"))):
+            raise DatasetLayoutError(f"data.root: found neither {os.path.join(root, split + '.tar')!r} nor .tar "
+                                     f"shards in {os.path.join(root, split)!r}; expected {layout}")
+
+
 def build_splits(cfg: dict) -> tuple[Dataset, Dataset]:
     """Train and validation datasets (without transforms) for a ``data`` config."""
     fmt = cfg.get("format")

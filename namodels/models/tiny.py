@@ -83,6 +83,25 @@ class _Level(nn.Module):
         return self.downsample(self.blocks(x))
 
 
+def smallest_input(kernel_sizes: Sequence[Sequence[int]], dilations: Sequence[Sequence[int]]) -> int:
+    """The smallest square input whose token map at every level holds that level's widest window
+    (``kernel_size * dilation``): the stem and each downsampler halve the map (3x3 convs, stride 2, padding 1)."""
+    need = [max(k * d for k, d in zip(ks, ds)) for ks, ds in zip(kernel_sizes, dilations)]
+
+    def fits(size: int) -> bool:
+        tokens = (((size + 1) // 2) + 1) // 2  # after the stem's two stride-2 convs
+        for level_need in need:
+            if tokens < level_need:
+                return False
+            tokens = (tokens + 1) // 2
+        return True
+
+    size = 1
+    while not fits(size):
+        size += 1
+    return size
+
+
 class TinyNAT(nn.Module):
     """A NAT in miniature.  Channels-last inside; ``forward_features`` returns ``[B, H, W, C]``."""
 
@@ -126,6 +145,8 @@ class TinyNAT(nn.Module):
             self.feature_info.append(dict(num_chs=widths[i + (not last)], reduction=4 * 2 ** (i + (not last)),
                                           module=f"levels.{i}"))
         self.num_features = self.head_hidden_size = widths[-1]
+        # Inputs below this size leave a level's window wider than its token map (21 px for nat_digits).
+        self.min_input_size = smallest_input(kernel_sizes, dilations)
         self.norm = nn.LayerNorm(self.num_features)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()

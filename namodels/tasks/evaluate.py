@@ -18,8 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..utils.checks import check_choice
 from .checkpoints import load_checkpoint_file
 from .run_dirs import assign_run_folder
-from .runner import build, instantiate_group, route_lightning_logs
-from .models import check_model_name, file_metadata, load_weights, META_MODEL
+from .runner import build, check_accelerator, instantiate_group, route_lightning_logs
+from .models import check_input_size, check_model_name, file_metadata, load_weights, META_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +102,13 @@ def accuracy(cfg: DictConfig) -> dict:
         weights = "pretrained"
 
     module = ClassificationModule(model=model_cfg, num_classes=num_classes)
+    check_input_size(module.model, data_cfg.get("img_size"), model_cfg["name"])
     if state is not None:
         load_weights(module.model, state, model_name=model_cfg["name"], source=f"ckpt_path {ckpt_path}")
     datamodule = build(cfg.task.datamodule)
+    datamodule.check_source()
     datamodule.use_model_defaults(module.data_config)
+    check_accelerator(cfg.trainer)
     trainer = build(cfg.trainer, logger=False, callbacks=instantiate_group(cfg.get("callbacks")))
     metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     settings = datamodule.eval_settings()

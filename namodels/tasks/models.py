@@ -67,6 +67,17 @@ def create_model(cfg: dict, num_classes: int) -> nn.Module:
                              pretrained_cfg_overlay=overlay, **kwargs)
 
 
+def check_input_size(model: nn.Module | None, img_size, model_name: str | None = None) -> None:
+    """A model with a smallest input (``min_input_size``: nat_digits, whose windows must fit its token maps)
+    against ``data.img_size``, before any data is loaded, instead of a window error from the first batch."""
+    need = getattr(model, "min_input_size", None)
+    if not need or img_size is None or int(img_size) >= need:
+        return
+    name = model_name or type(model).__name__
+    raise ValueError(f"data.img_size: {img_size} px is below {need} px, the smallest input {name} takes (below it a "
+                     f"level's attention window is wider than its token map); set data.img_size={need} or more")
+
+
 def file_metadata(path: str) -> dict:
     if not path.endswith(".safetensors"):
         return {}

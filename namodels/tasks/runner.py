@@ -1,9 +1,10 @@
 """What train.py does with a composed config: pick the run's folder, instantiate the task's module and
 data module, the trainer (with atomic, plain-data checkpoint IO), callbacks and loggers, fit, export,
 report.  Task-agnostic: a new task (GAN, video) plugs in through ``configs/task/<name>.yaml``
-(``module`` and ``datamodule`` to instantiate, ``stage: fit``).  Optional module hooks used here:
-``data_config`` (handed to ``datamodule.use_model_defaults``), ``export_weights(directory, source)``
-and ``skipped_files`` (unreadable input files, reported in the summary).
+(``module`` and ``datamodule`` to instantiate, ``stage: fit``).  Optional hooks used here: the
+module's ``data_config`` (handed to ``datamodule.use_model_defaults``), ``export_weights(directory, source)``
+and ``skipped_files`` (unreadable input files, reported in the summary); the data module's ``check_source()``
+(paths checked before the model and trainer are built).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoints import AtomicCheckpointIO, load_checkpoint_file
+from .models import check_input_size
 from .run_dirs import assign_run_folder
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,16 @@ def instantiate_group(group: DictConfig | None) -> list:
     if not group:
         return []
     return [build(c) for c in group.values() if c is not None and "_target_" in c]
+
+
+def check_accelerator(trainer_cfg: DictConfig) -> None:
+    """A GPU trainer (trainer=gpu / ddp / fsdp, the ImageNet recipes) on a machine without CUDA fails naming the
+    override that runs it on the CPU, instead of Lightning's "No supported gpu backend found"."""
+    accelerator = str(trainer_cfg.get("accelerator") or "auto")
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"trainer.accelerator: {accelerator!r} needs a CUDA GPU and torch sees none "
+                         "(torch.cuda.is_available() is False); run on a GPU machine, or add trainer=cpu "
+                         "(trainer=ddp_cpu for DDP on CPU processes)")
 
 
 def trainer_plugins(trainer_cfg: DictConfig) -> list:
@@ -125,7 +137,12 @@ def fit(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build(cfg.task.datamodule)
+    if hasattr(datamodule, "check_source"):  # a wrong data path fails before the model and trainer are built
+        datamodule.check_source()
+    check_accelerator(cfg.trainer)
     module = build(cfg.task.module)
+    check_input_size(getattr(module, "model", None), OmegaConf.select(cfg, "data.img_size", default=None),
+                     OmegaConf.select(cfg, "model.name", default=None))
     if hasattr(datamodule, "use_model_defaults") and hasattr(module, "data_config"):
         datamodule.use_model_defaults(module.data_config)
     callbacks = instantiate_group(cfg.get("callbacks"))
