@@ -234,9 +234,11 @@ class ClassificationModule(pl.LightningModule):
         self._note_unreadable(skipped, "val")
         if images is None:
             return
-        self._update_metrics("val", self(images), targets)
+        logits = self(images)
+        self._update_metrics("val", logits, targets)
         if self.ema is not None:
             self._update_metrics("val_ema", self.forward_ema(images), targets)
+        return logits  # callbacks (sample images) read the predictions from here instead of a second forward
 
     def _update_metrics(self, prefix, logits, targets):
         metrics = self.val_metrics[prefix]
@@ -253,6 +255,40 @@ class ClassificationModule(pl.LightningModule):
             self.log(f"{prefix}/top1", values["top1"] * 100, prog_bar=prefix == "val")
             self.log(f"{prefix}/top5", values["top5"] * 100)
             self.log(f"{prefix}/loss", values["loss"])
+
+    @torch.no_grad()
+    def sample_figures(self, batch, outputs=None, max_images: int = 16) -> dict:
+        """``{"predictions": figure}``: the batch's first images titled predicted / true label (raw weights),
+        for :class:`namodels.tasks.samples.SampleImages` (TensorBoard, end-of-training PNG).  ``outputs``:
+        the logits ``validation_step`` returned for the batch (else the model runs on the images)."""
+        from .samples import labelled_grid
+
+        images, targets = batch[0], batch[1]
+        if images is None:
+            return {}
+        images, targets = images[:max_images], targets[:max_images]
+        if isinstance(outputs, torch.Tensor):
+            predicted = outputs[:max_images].argmax(-1).cpu()
+        else:
+            was_training = self.training
+            self.eval()
+            try:
+                predicted = self(images.to(self.device)).argmax(-1).cpu()
+            finally:
+                self.train(was_training)
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if hasattr(datamodule, "eval_settings"):  # undo the normalisation the loader applied
+            settings = datamodule.eval_settings()
+            mean = torch.tensor(settings["mean"]).view(-1, 1, 1)
+            std = torch.tensor(settings["std"]).view(-1, 1, 1)
+            images = images.float().cpu() * std + mean
+        else:  # unknown normalisation: stretch each image to [0, 1]
+            low = images.amin(dim=(1, 2, 3), keepdim=True)
+            images = (images - low) / (images.amax(dim=(1, 2, 3), keepdim=True) - low).clamp_min(1e-6)
+        names = getattr(getattr(datamodule, "val_set", None), "classes", None)
+        if names and max(len(str(n)) for n in names) > 12:  # long names would overlap: indices instead
+            names = None
+        return {"predictions": labelled_grid(images.cpu(), predicted.tolist(), targets.tolist(), names)}
 
     # ---- optimisation --------------------------------------------------------------------------
     def global_batch_size(self) -> int:
