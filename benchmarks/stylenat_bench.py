@@ -41,7 +41,7 @@ def train_run(args, device: str) -> dict:
 
     from namodels.data.images import GANDataModule
     from namodels.tasks.gan import GANTask
-    from namodels.tasks.generate import save_grid
+    from namodels.tasks.generators import save_grid
 
     size = 32 if args.tiny else args.train_size
     g_cfg = dict(size=size, **(TINY if args.tiny else {}))

@@ -399,7 +399,7 @@ def test_generate_writes_grid_and_seeded_images(tmp_path):
     g.estimate_w_avg(128)
     res = generate_images(g, str(tmp_path / "a"), seeds=[3, 7, 11], truncation=0.7, batch_size=2)
     assert os.path.isfile(res["grid"]) and len(res["images"]) == 3
-    assert Image.open(res["grid"]).size == (2 + 2 * (32 + 2), 2 + 2 * (32 + 2))  # 2x2 grid, padding 2
+    assert Image.open(res["grid"]).size == (2 + 2 * (128 + 2), 2 + 2 * (128 + 2))  # 2x2 grid, 32 px shown 4x
     again = generate_images(g, str(tmp_path / "b"), seeds=[7], truncation=0.7, grid=False)
     a = torch.from_numpy(np.asarray(Image.open(res["images"][1])).copy())
     b = torch.from_numpy(np.asarray(Image.open(again["images"][0])).copy())

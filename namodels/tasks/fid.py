@@ -13,6 +13,7 @@ from typing import Iterable
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from namodels.data.images import to_unit_range
 
@@ -81,11 +82,23 @@ def build_metrics(feature_extractor: nn.Module | None = None, inception_weights:
     return metrics
 
 
+def _real_total(real_images, num_real: int | None) -> int | None:
+    """How many real images the loop will read, where known (for the progress bar)."""
+    dataset = getattr(real_images, "dataset", None)
+    try:
+        available = len(dataset) if dataset is not None else None
+    except TypeError:  # an iterable dataset
+        available = None
+    if num_real is None:
+        return available
+    return num_real if available is None else min(num_real, available)
+
+
 @torch.no_grad()
 def compute_fid(generator, real_images: Iterable, num_fake: int = 50000, num_real: int | None = None,
                 batch_size: int = 32, truncation: float = 1.0, seed: int = 0,
                 feature_extractor: nn.Module | None = None, inception_weights: str | None = None,
-                kid: bool = False, kid_subset_size: int = 1000, device=None) -> dict:
+                kid: bool = False, kid_subset_size: int = 1000, device=None, progress: bool = False) -> dict:
     """FID (and KID) between ``num_fake`` generated images (seeds ``seed ..``) and real images.
 
     Args:
@@ -93,6 +106,7 @@ def compute_fid(generator, real_images: Iterable, num_fake: int = 50000, num_rea
         real_images: iterable of real batches ``[B, 3, H, W]`` in ``[-1, 1]`` (or ``(images, ...)``
             tuples), e.g. ``GANDataModule.real_dataloader()``; read up to ``num_real`` images.
         feature_extractor: optional stand-in for Inception (see module doc).
+        progress: progress bars over the real and the generated images.
     Returns ``{"fid", "num_real", "num_fake"[, "kid_mean", "kid_std"]}``.
     """
     device = device or next(generator.parameters()).device
@@ -100,25 +114,29 @@ def compute_fid(generator, real_images: Iterable, num_fake: int = 50000, num_rea
     metrics = build_metrics(feature_extractor, inception_weights, kid, kid_size)
     metrics = {k: m.to(device) for k, m in metrics.items()}
     seen_real = 0
-    for batch in real_images:
-        imgs = batch[0] if isinstance(batch, (list, tuple)) else batch
-        if num_real is not None:
-            imgs = imgs[: num_real - seen_real]
-        for m in metrics.values():
-            m.update(to_unit_range(imgs.to(device)), real=True)
-        seen_real += imgs.shape[0]
-        if num_real is not None and seen_real >= num_real:
-            break
+    with tqdm(total=_real_total(real_images, num_real), desc="FID real", unit="img", disable=not progress) as bar:
+        for batch in real_images:
+            imgs = batch[0] if isinstance(batch, (list, tuple)) else batch
+            if num_real is not None:
+                imgs = imgs[: num_real - seen_real]
+            for m in metrics.values():
+                m.update(to_unit_range(imgs.to(device)), real=True)
+            seen_real += imgs.shape[0]
+            bar.update(imgs.shape[0])
+            if num_real is not None and seen_real >= num_real:
+                break
     if seen_real < 2:
         raise ValueError(f"real_images: need at least 2 real images for FID, got {seen_real}")
     if kid and min(seen_real, num_fake) < kid_size:
         raise ValueError(f"kid_subset_size: {kid_size} exceeds the real ({seen_real}) or fake ({num_fake}) count")
     generator.eval()
-    for lo in range(seed, seed + num_fake, batch_size):
-        z = generator.seeded_latents(range(lo, min(lo + batch_size, seed + num_fake))).to(device)
-        fake = to_unit_range(generator(z, truncation=truncation))
-        for m in metrics.values():
-            m.update(fake, real=False)
+    with tqdm(total=num_fake, desc="FID generated", unit="img", disable=not progress) as bar:
+        for lo in range(seed, seed + num_fake, batch_size):
+            z = generator.seeded_latents(range(lo, min(lo + batch_size, seed + num_fake))).to(device)
+            fake = to_unit_range(generator(z, truncation=truncation))
+            for m in metrics.values():
+                m.update(fake, real=False)
+            bar.update(z.shape[0])
     result = {"fid": float(metrics["fid"].compute()), "num_real": seen_real, "num_fake": num_fake}
     if kid:
         mean, std = metrics["kid"].compute()
@@ -154,7 +172,7 @@ def run(cfg) -> dict:
                              num_real=t.get("num_real"), batch_size=int(t.batch_size),
                              truncation=float(t.truncation), seed=int(t.seed),
                              inception_weights=t.get("inception_weights"), kid=bool(t.kid),
-                             kid_subset_size=int(t.kid_subset_size))
+                             kid_subset_size=int(t.kid_subset_size), progress=bool(t.get("progress", True)))
     result = {"checkpoint": source, "data": data.get("name"), "truncation": float(t.truncation), **result}
     out = cfg.get("results_file") or os.path.join(cfg.paths.output_dir, "fid.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

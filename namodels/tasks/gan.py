@@ -39,8 +39,8 @@ from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
 from namodels.data.decoding import UnreadableFiles
-from namodels.models.stylenat import StyleNATDiscriminator, StyleNATGenerator, load_official_generator
-from namodels.tasks.checkpoints import load_checkpoint_file
+from namodels.tasks.generators import (DISPLAY_TILE, build_discriminator, build_generator, grid_image, load_generator,
+                                       write_image)
 
 log = logging.getLogger(__name__)
 
@@ -164,63 +164,6 @@ def diff_augment(x: torch.Tensor, policy: str = "flip,translation,color,cutout")
 
 
 # ---------------------------------------------------------------------------------------------
-# Building / loading generators
-# ---------------------------------------------------------------------------------------------
-
-
-def build_generator(cfg: Mapping[str, Any] | nn.Module) -> nn.Module:
-    """A generator from keyword arguments of :class:`StyleNATGenerator` (or a module, returned as is)."""
-    return cfg if isinstance(cfg, nn.Module) else StyleNATGenerator(**dict(cfg))
-
-
-def build_discriminator(cfg: Mapping[str, Any] | nn.Module) -> nn.Module:
-    return cfg if isinstance(cfg, nn.Module) else StyleNATDiscriminator(**dict(cfg))
-
-
-def load_generator(path: str, which: str = "g_ema", release_cfg: Mapping[str, Any] | None = None,
-                   map_location="cpu", w_avg_samples: int = 10000, backend: str | None = None) -> StyleNATGenerator:
-    """A generator (eval mode) from a checkpoint file.
-
-    Reads our Lightning checkpoints (configuration from their hyper-parameters), our exported
-    ``.safetensors`` (configuration in the metadata) and the released StyleNAT files, which carry no
-    configuration: ``release_cfg`` (keyword arguments of :class:`StyleNATGenerator`) describes them,
-    default FFHQ-256.  ``which``: ``g_ema`` (default) or ``g``; ``backend`` overrides the NA backend.
-    """
-    if which not in ("g", "g_ema"):
-        raise ValueError(f"which: expected 'g' or 'g_ema', got {which!r}")
-    if not os.path.isfile(path):
-        raise ValueError(f"ckpt_path: {path!r} does not exist")
-    override = {} if backend is None else {"backend": backend}
-    if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
-            state = {k: f.get_tensor(k) for k in f.keys()}
-        cfg = json.loads(meta.get("generator", "null") or "null")
-        if cfg is None:
-            raise ValueError(f"ckpt_path: {path!r} carries no generator configuration (not exported by GANTask)")
-        gen = build_generator({**dict(cfg), **override})
-        gen.load_state_dict(state)
-        return gen.eval().requires_grad_(False)
-    ckpt = load_checkpoint_file(path, map_location=map_location)  # plain data only: never runs pickled code
-    if "state_dict" in ckpt and "hyper_parameters" in ckpt:  # ours (Lightning)
-        cfg = ckpt["hyper_parameters"].get("generator")
-        if cfg is None:
-            raise ValueError(f"ckpt_path: {path!r} stores no generator configuration (not a GAN checkpoint)")
-        gen = build_generator({**dict(cfg), **override})
-        prefix = "ema.module." if which == "g_ema" else "generator."
-        state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-        if not state:
-            raise ValueError(f"ckpt_path: {path!r} holds no {prefix}* weights (not a GAN checkpoint?)")
-        gen.load_state_dict(state)
-    else:
-        gen = build_generator({**dict(release_cfg or {"size": 256}), **override})
-        load_official_generator(gen, ckpt, which, w_avg_samples=w_avg_samples)
-    return gen.eval().requires_grad_(False)
-
-
-# ---------------------------------------------------------------------------------------------
 # Lightning module
 # ---------------------------------------------------------------------------------------------
 
@@ -242,8 +185,11 @@ class GANTask(L.LightningModule):
         lr_decay_start_kimg, lr_decay_end_kimg: linear lr decay to 0 over this kimg range (off when None).
         max_kimg: stop once this many thousand images were seen (Lightning's ``max_steps`` counts
             every optimizer step, 2-3 per batch here; use this instead).
-        sample_every_n_steps, sample_grid, sample_seed: PNG grids of G EMA samples under the log dir
-            every n training steps (batches).
+        sample_every_n_steps, sample_grid, sample_seed: a grid of ``sample_grid`` G-EMA samples (fixed
+            seeds) every n training steps (batches): a PNG under the log dir's ``samples/`` and, with a
+            TensorBoard logger, the image ``samples/g_ema`` at that step.
+        sample_min_tile: samples of smaller models are shown enlarged to at least this many pixels
+            (whole factor, nearest: every generated pixel kept; 0 = as generated).
     """
 
     def __init__(self, generator: Mapping[str, Any] | None = None, discriminator: Mapping[str, Any] | None = None,
@@ -254,7 +200,7 @@ class GANTask(L.LightningModule):
                  g_clip: float | None = None, style_mixing_prob: float = 0.0,
                  lr_decay_start_kimg: float | None = None, lr_decay_end_kimg: float | None = None,
                  max_kimg: float | None = None, sample_every_n_steps: int = 0, sample_grid: int = 16,
-                 sample_seed: int = 0):
+                 sample_seed: int = 0, sample_min_tile: int = DISPLAY_TILE):
         super().__init__()
         generator = dict(generator or {"size": 64})
         discriminator = dict(discriminator or {"size": generator.get("size", 64)})
@@ -415,17 +361,22 @@ class GANTask(L.LightningModule):
 
     @torch.no_grad()
     def save_samples(self, path: str | None = None) -> str | None:
-        """Writes a grid of G-EMA samples (fixed seed) as PNG; returns the path (rank 0 only)."""
+        """Writes a grid of G-EMA samples (fixed seeds) as PNG and logs it to every TensorBoard logger
+        (``samples/g_ema``, at the training step); returns the path (rank 0 only)."""
         if self.trainer is not None and not self.trainer.is_global_zero:
             return None
-        from namodels.tasks.generate import save_grid
+        from lightning.pytorch.loggers import TensorBoardLogger
 
         n = self.hparams.sample_grid
         if path is None:
             root = self.trainer.default_root_dir if self.trainer is not None else "."
             path = os.path.join(root, "samples", f"kimg{self.kimg:09.3f}.png")
         imgs = self.g_ema.sample(n, seed=self.hparams.sample_seed, device=self.device)
-        save_grid(imgs, path, nrow=int(math.ceil(math.sqrt(n))))
+        grid = grid_image(imgs.float(), nrow=int(math.ceil(math.sqrt(n))), min_tile=self.hparams.sample_min_tile)
+        write_image(grid, path)
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_image("samples/g_ema", grid, int(self.d_steps))
         return path
 
     # --- checkpoints -----------------------------------------------------------------------

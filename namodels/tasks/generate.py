@@ -12,20 +12,12 @@ from typing import Sequence
 
 import torch
 from torchvision.utils import save_image
+from tqdm.auto import tqdm
 
 from namodels.data.images import to_unit_range
+from namodels.tasks.generators import DISPLAY_TILE, load_generator, save_grid
 
 __all__ = ["save_grid", "generate_images"]
-
-
-def save_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> str:
-    """Writes generator outputs ``[N, 3, H, W]`` (about [-1, 1]) as one PNG grid."""
-    if images.dim() != 4 or images.shape[1] != 3:
-        raise ValueError(f"images: expected [N, 3, H, W], got {tuple(images.shape)}")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    nrow = nrow or int(math.ceil(math.sqrt(images.shape[0])))
-    save_image(to_unit_range(images.detach().cpu()), path, nrow=nrow, padding=2)
-    return path
 
 
 def check_no_earlier_images(out_dir: str) -> None:
@@ -41,12 +33,15 @@ def check_no_earlier_images(out_dir: str) -> None:
 @torch.no_grad()
 def generate_images(generator, out_dir: str, num_images: int = 16, seeds: Sequence[int] | None = None,
                     seed: int = 0, truncation: float = 1.0, batch_size: int = 8, grid: bool = True,
-                    individual: bool = True, device=None) -> dict:
+                    individual: bool = True, device=None, min_tile: int | None = DISPLAY_TILE,
+                    progress: bool = False) -> dict:
     """Generates images for ``seeds`` (default ``seed .. seed + num_images - 1``) with the
     truncation trick at ``truncation`` (1 = off).
 
-    Writes ``out_dir/grid.png`` and ``out_dir/seed%06d.png``; returns ``{"grid": path | None,
-    "images": [paths], "seeds": [...]}``.
+    Writes ``out_dir/grid.png`` (tiles of models smaller than ``min_tile`` pixels enlarged, see
+    :func:`~namodels.tasks.generators.grid_image`) and ``out_dir/seed%06d.png`` (as generated);
+    ``progress`` shows a progress bar over the images.  Returns ``{"grid": path | None, "images": [paths],
+    "seeds": [...]}``.
     """
     if not 0 <= truncation <= 1.5:
         raise ValueError(f"truncation: expected psi in [0, 1.5], got {truncation}")
@@ -57,17 +52,22 @@ def generate_images(generator, out_dir: str, num_images: int = 16, seeds: Sequen
     device = device or next(generator.parameters()).device
     generator.eval()
     z = generator.seeded_latents(seeds)
-    images = torch.cat([generator(z[i:i + batch_size].to(device), truncation=truncation).float().cpu()
-                        for i in range(0, len(seeds), batch_size)])
     os.makedirs(out_dir, exist_ok=True)
     result = {"grid": None, "images": [], "seeds": seeds}
+    batches = []
+    with tqdm(total=len(seeds), desc="generate", unit="img", disable=not progress) as bar:
+        for i in range(0, len(seeds), batch_size):
+            images = generator(z[i:i + batch_size].to(device), truncation=truncation).float().cpu()
+            if individual:
+                for s, img in zip(seeds[i:i + batch_size], images):
+                    path = os.path.join(out_dir, f"seed{s:06d}.png")
+                    save_image(to_unit_range(img), path)
+                    result["images"].append(path)
+            if grid:
+                batches.append(images)
+            bar.update(images.shape[0])
     if grid:
-        result["grid"] = save_grid(images, os.path.join(out_dir, "grid.png"))
-    if individual:
-        for s, img in zip(seeds, images):
-            path = os.path.join(out_dir, f"seed{s:06d}.png")
-            save_image(to_unit_range(img), path)
-            result["images"].append(path)
+        result["grid"] = save_grid(torch.cat(batches), os.path.join(out_dir, "grid.png"), min_tile=min_tile)
     return result
 
 
@@ -86,8 +86,6 @@ def generator_from_eval_config(cfg) -> tuple:
     """(generator on its device, description) for eval.py's ``ckpt_path`` / ``weights`` /
     ``model`` settings and the task's ``which`` / ``device``."""
     from omegaconf import OmegaConf
-
-    from namodels.tasks.gan import load_generator
 
     ckpt_path = cfg.get("ckpt_path")
     if not ckpt_path:
@@ -123,7 +121,8 @@ def run(cfg) -> dict:
     with ops.use_backend(cfg.model.get("backend") if cfg.get("model") else None):
         result = generate_images(generator, str(t.out_dir), num_images=int(t.num_images), seeds=seeds,
                                  seed=int(t.seed), truncation=float(t.truncation), batch_size=int(t.batch_size),
-                                 grid=bool(t.grid), individual=bool(t.individual))
+                                 grid=bool(t.grid), individual=bool(t.individual),
+                                 min_tile=t.get("grid_min_tile", DISPLAY_TILE), progress=bool(t.get("progress", True)))
     summary = {"checkpoint": source, "grid": result["grid"], "num_images": len(result["seeds"]),
                "seeds": result["seeds"], "truncation": float(t.truncation), "out_dir": str(t.out_dir)}
     print(json.dumps(summary, indent=2), flush=True)
