@@ -17,18 +17,15 @@ from torch import nn
 
 import ops
 from namodels.data.images import GANDataModule, ImageFolder, SkimageCrops
+from namodels.models.stylegan2 import HaarTransform, InverseHaarTransform, MinibatchStdDev, upfirdn2d
 from namodels.models.stylenat import (
-    HaarTransform,
     HydraNeighborhoodAttention,
-    InverseHaarTransform,
-    MinibatchStdDev,
     StyleNATDiscriminator,
     StyleNATGenerator,
     convert_official_generator,
     default_windows,
     load_official_generator,
     sinusoidal_grid,
-    upfirdn2d,
 )
 from namodels.tasks.fid import INCEPTION_WEIGHTS_FILE, compute_fid, inception_weights_path
 from namodels.tasks.gan import (
@@ -84,6 +81,45 @@ def test_published_parameter_counts():
     assert counts[256] + 3 * 7 == 48_921_000
     assert round(counts[256] / 1e6, 2) == 48.92
     assert round(counts[1024] / 1e6, 2) == 49.45
+
+
+# (state_dict entries, sha256 of "key:shape" lines in order)[:16] of the layouts checkpoints hold
+STATE_DICT_LAYOUTS = {
+    "g256": (250, "f0cfbef14027359f"), "d256": (77, "6d5e7d54d4dfd77d"), "g1024": (318, "2124e1f7797fcbef"),
+    "g_tiny": (140, "b76d5a7ab93959c1"), "d_tiny": (41, "9893f3ef5175b253"), "d64_no_sn": (26, "92ce94c491011a1d"),
+}
+
+
+def _layout(module):
+    import hashlib
+
+    state = module.state_dict()
+    text = "\n".join(f"{k}:{tuple(v.shape)}" for k, v in state.items())
+    return len(state), hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def test_state_dict_layouts_are_unchanged():
+    """Checkpoint keys, shapes and order of the generator and discriminator (released FFHQ sizes, the
+    built-in tiny model, the equalized-lr discriminator) stay those of the files already written."""
+    tiny = dict(channel_multiplier=1, channels=[64, 64, 64, 32])
+    with torch.device("meta"):
+        built = {
+            "g256": StyleNATGenerator(256), "d256": StyleNATDiscriminator(256), "g1024": StyleNATGenerator(1024),
+            "g_tiny": StyleNATGenerator(32, style_dim=64, n_mlp=4, **tiny), "d_tiny": StyleNATDiscriminator(32, **tiny),
+            "d64_no_sn": StyleNATDiscriminator(64, sn=False),
+        }
+    assert {name: _layout(m) for name, m in built.items()} == STATE_DICT_LAYOUTS
+
+
+def test_stylegan2_blocks_are_shared_not_copied():
+    import namodels.models.stylegan2 as blocks
+    import namodels.models.stylenat as stylenat
+
+    for name in ("StyleNATDiscriminator", "MappingNetwork", "upfirdn2d", "stage_channels"):
+        assert getattr(stylenat, name) is getattr(blocks, name), name
+    g = StyleNATGenerator(**TINY_G)
+    assert isinstance(g.mapping, blocks.MappingNetwork) and isinstance(g.to_rgbs[0], blocks.ToRGB)
+    assert type(g.stages[0].blocks[0].attn) is HydraNeighborhoodAttention
 
 
 def test_default_windows_follow_ffhq256_release():
@@ -227,7 +263,7 @@ def test_fir_filters():
     torch.testing.assert_close(upfirdn2d(x, k), ref)
     # ... and the Haar pair is a perfect-reconstruction transform.
     torch.testing.assert_close(InverseHaarTransform()(HaarTransform()(x)), x, rtol=1e-5, atol=1e-5)
-    from namodels.models.stylenat import FIRDownsample, FIRUpsample
+    from namodels.models.stylegan2 import FIRDownsample, FIRUpsample
 
     const = torch.full((1, 1, 8, 8), 0.7)
     assert FIRUpsample()(const).shape == (1, 1, 16, 16)
