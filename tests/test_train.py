@@ -161,6 +161,11 @@ def test_task_configs_compose_with_their_script(task):
     _check_targets(OmegaConf.to_container(cfg, resolve=True))
     check_stage(cfg, stage, "x")
     check_task_inputs(cfg)  # the task's own recipe provides what it requires
+    if stage == "fit" and cfg.task.get("eval") is not None:  # a fit task with its own evaluation (eval.py task=video)
+        eval_cfg = compose_cfg("eval", [f"task={task}"])
+        _check_targets(OmegaConf.to_container(eval_cfg, resolve=True))
+        check_stage(eval_cfg, "eval", "x")
+        return
     with pytest.raises(ValueError, match="task: task=.* is a .* task"):
         check_stage(cfg, "eval" if stage == "fit" else "fit", "x")
 

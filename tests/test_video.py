@@ -261,7 +261,8 @@ def _fit(tmp_path, **task_kwargs):
     from namodels.data.video import VideoDataModule
     from namodels.tasks.video import VideoTask
 
-    task = VideoTask(TINY_MODEL, TINY_DATA, rollout=dict(context=3), scheduler=dict(warmup_steps=1), **task_kwargs)
+    task = VideoTask(TINY_MODEL, TINY_DATA, **{"rollout": dict(context=3), "scheduler": dict(warmup_steps=1),
+                                               **task_kwargs})
     trainer = pl.Trainer(max_steps=2, limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu",
@@ -329,3 +330,82 @@ def test_default_cpu_run_halves_copy_last_frame_mse(tmp_path):
     m = summary["metrics"]
     assert m["val/mse"] <= 0.5 * m["val/copy_mse"], m
     assert elapsed < 15 * 60, elapsed
+
+
+# ----------------------------------------------------------------------------------------- pictures and eval
+
+
+def test_task_rollout_by_step_and_prediction_strip(tmp_path):
+    task, m = _fit(tmp_path, rollout=dict(context=3, by_step=True))
+    steps = [m[f"val/rollout_mse_step{k}"] for k in (1, 2, 3)]                 # 6 frames, 3 given: 3 generated
+    assert "val/rollout_mse_step4" not in m
+    assert np.mean(steps) == pytest.approx(m["val/rollout_mse"], rel=1e-5)     # equal frames per step
+    clips = MovingDigits(5, num_frames=6, image_size=32, split="val")
+    batch = (torch.stack([clips[i][0] for i in range(5)]), torch.zeros(5))
+    fig = task.sample_figures(batch)["predictions"]
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels[:2] == ["clip 0 true", "clip 0 predicted"] and len(labels) == 8  # the first 4 clips
+    classifier, _ = _fit(tmp_path, objective="classification")
+    assert classifier.sample_figures(batch) == {}
+
+
+def _compose(name, overrides):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def test_video_run_pictures_and_eval_reproduce_its_metrics(tmp_path):
+    """A short built-in run writes predictions.png / curves.png / TensorBoard frames; eval.py task=video
+    on its checkpoint gives the run's last validation metrics, per-step rollout errors and its own strip."""
+    import json
+
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from namodels.tasks.runner import evaluate, fit
+
+    summary = fit(_compose("train", [
+        "experiment=video_moving_digits", f"paths.root_dir={tmp_path}", "logger=tensorboard", "export=false",
+        "callbacks.progress_bar=null", "callbacks.model_summary=null", "trainer.max_steps=4",
+        "trainer.val_check_interval=2", "data.val_clips=8", "data.val_batch_size=8"]))
+    run = os.path.dirname(os.path.dirname(summary["last_checkpoint"]))
+    for name in ("predictions.png", "curves.png"):
+        assert Image.open(os.path.join(run, name)).format == "PNG", name
+    events = EventAccumulator(os.path.join(run, "tensorboard", "version_0"), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("val/predictions")] == [2, 4]
+
+    cfg = _compose("eval", ["task=video", f"ckpt_path={summary['last_checkpoint']}", f"paths.root_dir={tmp_path}",
+                            "trainer.enable_progress_bar=false"])
+    result = evaluate(cfg)
+    m = summary["metrics"]
+    for key in ("mse", "copy_mse", "mse_ratio", "psnr", "ssim", "rollout_mse", "rollout_psnr", "rollout_ssim"):
+        assert result[key] == pytest.approx(m[f"val/{key}"], rel=1e-4, abs=1e-6), key
+    assert (result["frames"], result["context"], result["clips"]) == (8, 4, 8)
+    assert len(result["rollout_mse_by_step"]) == 4
+    assert np.mean(result["rollout_mse_by_step"]) == pytest.approx(result["rollout_mse"], rel=1e-4)
+    out = tmp_path / "logs" / "video" / "eval" / "version_0"
+    assert json.load(open(out / "results.json")) == json.loads(json.dumps(result))
+    assert open(out / "results.csv").read().splitlines()[0].startswith("model,objective,data,clips")
+    assert Image.open(out / "predictions.png").format == "PNG"
+
+    # the classification evaluation names the video one instead of failing on the missing classifier
+    from namodels.tasks.runner import evaluate as run_eval
+    with pytest.raises(ValueError, match="eval.py task=video ckpt_path="):
+        run_eval(_compose("eval", [f"ckpt_path={summary['last_checkpoint']}", f"paths.root_dir={tmp_path}"]))
+
+
+def test_video_eval_refuses_other_checkpoints(tmp_path):
+    from namodels.tasks.video_eval import load_video_checkpoint
+
+    path = tmp_path / "classifier.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"model": {"name": "nat_digits"}, "num_classes": 10}}, path)
+    with pytest.raises(ValueError, match="not a checkpoint of the video task"):
+        load_video_checkpoint(str(path))
+    with pytest.raises(ValueError, match="does not exist"):
+        load_video_checkpoint(str(tmp_path / "missing.ckpt"))

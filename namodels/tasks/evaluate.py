@@ -45,6 +45,9 @@ def load_checkpoint_model(path: str, model_cfg: dict, weights: str, num_classes:
         raise ValueError(f"ckpt_path: {path!r} does not exist")
     checkpoint = load_checkpoint_file(path)
     hp = checkpoint.get("hyper_parameters") or {}
+    if "objective" in hp:  # VideoTask's hyper-parameters: no classifier of data.num_classes to load into
+        raise ValueError(f"ckpt_path: {path!r} is a checkpoint of the video task ({hp['objective']} objective); "
+                         f"evaluate it with: python eval.py task=video ckpt_path={path}")
     saved = dict(hp.get("model") or {})
     if "name" not in saved or "state_dict" not in checkpoint:
         raise ValueError(f"ckpt_path: {path!r} is not a classification checkpoint of train.py "

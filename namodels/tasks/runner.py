@@ -42,7 +42,7 @@ def build(node, **kwargs):
 
 def check_stage(cfg: DictConfig, stage: str, script: str) -> None:
     got = cfg.task.get("stage")
-    if got != stage:
+    if got != stage and not (stage == "eval" and cfg.task.get("eval") is not None):  # fit tasks may carry an eval
         other = "eval.py" if got == "eval" else "train.py"
         raise ValueError(f"task: task={cfg.task.get('name')!r} is a {got!r} task (run it with {other}); "
                          f"{script} runs {stage!r} tasks")
@@ -179,10 +179,12 @@ def fit(cfg: DictConfig) -> dict:
 
 
 def evaluate(cfg: DictConfig):
-    """What eval.py does: checks the task is an eval task, picks the run's folder, runs the task."""
+    """What eval.py does: checks the task is an eval task, picks the run's folder, runs the task (a fit
+    task's evaluation is its ``eval.run``, e.g. ``eval.py task=video``)."""
     check_stage(cfg, "eval", "eval.py")
     assign_run_folder(cfg)
-    return instantiate(cfg.task.run)(cfg)
+    run = cfg.task.run if cfg.task.get("stage") == "eval" else cfg.task.eval.run
+    return instantiate(run)(cfg)
 
 
 def write_json(data: dict, path: str) -> None:

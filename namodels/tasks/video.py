@@ -41,7 +41,7 @@ OBJECTIVES = ("next_frame", "classification")
 LOSSES = ("mse", "l1")
 DEFAULT_OPTIMIZER = dict(name="adamw", lr=1e-3, weight_decay=0.05, betas=(0.9, 0.999), eps=1e-8)
 DEFAULT_SCHEDULER = dict(warmup_steps=100, warmup_lr=1e-6, min_lr=1e-5)
-DEFAULT_ROLLOUT = dict(enabled=True, context=4)
+DEFAULT_ROLLOUT = dict(enabled=True, context=4, by_step=False)
 
 
 def _frames(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,8 @@ class VideoTask(pl.LightningModule):
         objective: 'next_frame' or 'classification'.
         loss: 'mse' or 'l1' (next-frame objective).
         optimizer, scheduler: overrides of ``DEFAULT_OPTIMIZER`` / ``DEFAULT_SCHEDULER``.
-        rollout: ``enabled`` and ``context`` (frames given before generating the rest of the clip).
+        rollout: ``enabled``, ``context`` (frames given before generating the rest of the clip) and
+            ``by_step`` (also the rollout MSE of each generated frame, ``val/rollout_mse_step<k>``).
     """
 
     def __init__(self, model: dict, data: dict, objective: str = "next_frame", loss: str = "mse",
@@ -96,6 +97,9 @@ class VideoTask(pl.LightningModule):
                 "rollout_mse": MeanSquaredError(), "rollout_psnr": PeakSignalNoiseRatio(data_range=1.0),
                 "rollout_ssim": StructuralSimilarityIndexMeasure(data_range=1.0),
             })
+            if roll["enabled"] and roll["by_step"]:  # error growth over the generated frames (eval.py task=video)
+                for k in range(1, data_cfg["num_frames"] - roll["context"] + 1):
+                    self.val_metrics[f"rollout_mse_step{k}"] = MeanSquaredError()
         else:
             self.val_metrics = torch.nn.ModuleDict({
                 "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"), "loss": MeanMetric(),
@@ -152,6 +156,9 @@ class VideoTask(pl.LightningModule):
             m["rollout_mse"].update(generated, future)
             m["rollout_psnr"].update(_frames(generated.clamp(0, 1)), _frames(future))
             m["rollout_ssim"].update(_frames(generated.clamp(0, 1)), _frames(future))
+            for k in range(1, generated.shape[1] + 1):
+                if f"rollout_mse_step{k}" in m:
+                    m[f"rollout_mse_step{k}"].update(generated[:, k - 1].contiguous(), future[:, k - 1].contiguous())
 
     def on_validation_epoch_end(self) -> None:
         values = {}
@@ -167,6 +174,27 @@ class VideoTask(pl.LightningModule):
         values["mse_ratio"] = values["mse"] / values["copy_mse"].clamp_min(1e-12)
         for name, value in values.items():
             self.log(f"val/{name}", value, prog_bar=name in ("mse", "mse_ratio"))
+
+    @torch.no_grad()
+    def sample_figures(self, batch, outputs=None, max_clips: int = 4) -> dict:
+        """``{"predictions": figure}``: for the batch's first clips, the true frames beside the frames the
+        model generates from the first ``rollout.context`` of them (:func:`namodels.tasks.samples.frame_strip`;
+        for :class:`namodels.tasks.samples.SampleImages` and ``eval.py task=video``).  Next-frame objective only."""
+        from .samples import frame_strip
+
+        if self.hparams.objective != "next_frame":
+            return {}
+        clips = batch[0][:max_clips]
+        context = min(self.hparams.rollout["context"], clips.shape[1] - 1)
+        was_training = self.training
+        self.eval()
+        try:
+            with self._backend():
+                generated = self.model.rollout(clips[:, :context].to(self.device), clips.shape[1] - context)
+        finally:
+            self.train(was_training)
+        title = f"{self.hparams.model['name']}: {context} frames given, {clips.shape[1] - context} generated"
+        return {"predictions": frame_strip(clips.float().cpu(), generated.float().clamp(0, 1).cpu(), context, title)}
 
     # ---- optimisation ------------------------------------------------------------------------------
     def configure_optimizers(self):
