@@ -16,22 +16,15 @@ from PIL import Image
 from torch import nn
 from torchvision.utils import save_image
 
-import ops
 from namodels.data.images import to_unit_range
 from namodels.tasks.fid import compute_fid
 from namodels.tasks.gan import GANTask
 from namodels.tasks.generate import generate_images
 from namodels.tasks.generators import DISPLAY_TILE, grid_image, save_grid, tile_scale
 
+from tests.test_stylenat import TINY_D, TINY_G, _naive_backend, tiny_generator  # noqa: F401  (autouse fixture)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_G = dict(size=32, channels=[16, 16, 16, 8], style_dim=8, n_mlp=1)
-TINY_D = dict(size=32, channels=[16, 16, 16, 8])
-
-
-@pytest.fixture(autouse=True)
-def _naive_backend():
-    with ops.use_backend("naive"):
-        yield
 
 
 def _images(n=4, size=32, seed=0):
@@ -114,10 +107,7 @@ def test_gan_samples_as_generated_without_tensorboard(tmp_path):
 
 
 def _generator():
-    from namodels.models.stylenat import StyleNATGenerator
-
-    torch.manual_seed(0)
-    return StyleNATGenerator(**TINY_G).eval()
+    return tiny_generator().eval()
 
 
 def test_generate_progress_bar_and_grid(tmp_path, capsys):
