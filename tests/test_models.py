@@ -514,3 +514,19 @@ def test_fast_norm_swaps_every_layernorm_and_keeps_weights():
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(fast(x), plain(x))
+
+
+@pytest.mark.parametrize("name, kwargs", [("nat_digits", {}), ("video_nat_nano", dict(img_size=32)),
+                                          ("nat_mini", {}), ("dinat_s_tiny", {})])
+def test_classifier_hooks_are_shared(name, kwargs):
+    """timm's ``get_classifier`` / ``set_grad_checkpointing`` come from one mixin; NAT-family models also
+    switch their stages."""
+    from namodels.models.backbone import ClassifierHooks, NABackbone
+
+    model = timm.create_model(name, num_classes=5, **kwargs)
+    assert isinstance(model, ClassifierHooks) and model.get_classifier() is model.head
+    stages = list(model.stages) if isinstance(model, NABackbone) else []
+    assert stages or name in ("nat_digits", "video_nat_nano")
+    for enable in (True, False):
+        model.set_grad_checkpointing(enable)
+        assert model.grad_checkpointing is enable and all(s.grad_checkpointing is enable for s in stages)

@@ -117,7 +117,20 @@ def build_stages(embed_dim: int, depths: Sequence[int], num_heads: Sequence[int]
     return dims, nn.ModuleList(stages)
 
 
-class NABackbone(nn.Module):
+class ClassifierHooks:
+    """timm's classifier hooks of every classifier of the project: the classifier is ``self.head``, the
+    gradient-checkpointing switch ``self.grad_checkpointing``."""
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+
+class NABackbone(ClassifierHooks, nn.Module):
     """Mixin-style base: subclasses build ``patch_embed``, the stage list (named ``stage_attr``),
     ``norm`` and then call :meth:`_init_head`."""
 
@@ -161,10 +174,6 @@ class NABackbone(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         if global_pool is not None:
             if global_pool not in GLOBAL_POOLS:
@@ -176,7 +185,7 @@ class NABackbone(nn.Module):
     # --- training helpers -------------------------------------------------------------------------------
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
+        super().set_grad_checkpointing(enable)
         for stage in self.stages:
             stage.grad_checkpointing = enable
 

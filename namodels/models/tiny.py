@@ -21,7 +21,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 
 import ops
 
-from .backbone import check_batch, check_model_arguments
+from .backbone import ClassifierHooks, check_batch, check_model_arguments
 from .layers import init_weights
 
 __all__ = ["TinyNAT"]
@@ -102,7 +102,7 @@ def smallest_input(kernel_sizes: Sequence[Sequence[int]], dilations: Sequence[Se
     return size
 
 
-class TinyNAT(nn.Module):
+class TinyNAT(ClassifierHooks, nn.Module):
     """A NAT in miniature.  Channels-last inside; ``forward_features`` returns ``[B, H, W, C]``."""
 
     def __init__(
@@ -166,14 +166,6 @@ class TinyNAT(nn.Module):
                 (r"^norm", (99999,)),
             ],
         )
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True):
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None):
         self.num_classes = num_classes

@@ -38,7 +38,7 @@ from torch import nn
 
 import ops
 
-from .backbone import check_batch, check_model_arguments
+from .backbone import ClassifierHooks, check_batch, check_model_arguments
 from .layers import init_weights
 
 __all__ = ["VideoNAT", "StreamState", "VideoRope", "CausalVideoAttention"]
@@ -292,7 +292,7 @@ class FrameDecoder(nn.Module):
 # --------------------------------------------------------------------------------------------- model
 
 
-class VideoNAT(nn.Module):
+class VideoNAT(ClassifierHooks, nn.Module):
     """Causal video transformer (isotropic: one token resolution, ``depth`` blocks).
 
     Args:
@@ -385,14 +385,6 @@ class VideoNAT(nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False):
         return dict(stem=r"^patch_embed|^pos_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True):
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None):
         self.num_classes = num_classes
