@@ -370,7 +370,7 @@ def test_hydra_task_config_maps_to_options():
     with initialize_config_dir(config_dir=os.path.join(root, "configs"), version_base="1.3"):
         cfg = compose("eval", overrides=["task=throughput", "task.batch_size=4", "task.backends=[naive,sdpa]",
                                          "task.timing={warmup:1,iters:2,min_iters:1,cap_s:1,warmup_cap_s:1}"])
-    assert cfg.task.stage == "eval" and cfg.task.run._target_ == "namodels.benchmark.task.run"
+    assert cfg.task.stage == "eval" and cfg.task.run._target_ == "namodels.tasks.throughput.run"
     options = options_from_config(cfg.task)
     assert options.batch_size == 4 and options.backends == ["naive", "sdpa"] and options.timing.iters == 2
     assert model_groups(options.models)[0][:3] == ["nat_mini", "dinat_mini", "nat_tiny"]
