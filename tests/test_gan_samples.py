@@ -92,7 +92,8 @@ def test_gan_samples_in_tensorboard_at_the_models_pixels(tmp_path):
     assert "samples/g_ema" in events.Tags()["images"]
     shown = events.Images("samples/g_ema")
     side = 2 + 2 * (128 + 2)  # 2x2 samples of 32 pixels, each shown 4x
-    assert [e.step for e in shown] == [1, 2] and all((e.width, e.height) == (side, side) for e in shown)
+    assert [e.step for e in shown] == [0, 1] and all((e.width, e.height) == (side, side) for e in shown)
+    assert [e.step for e in events.Scalars("loss/g")] == [0, 1]  # on the losses' steps
     png = sorted(os.listdir(tmp_path / "samples"))
     assert len(png) == 2 and Image.open(tmp_path / "samples" / png[-1]).size == (side, side)
 

@@ -376,7 +376,8 @@ class GANTask(L.LightningModule):
         write_image(grid, path)
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_image("samples/g_ema", grid, int(self.d_steps))
+                # the step of the losses logged with this batch: the batch's index
+                logger.experiment.add_image("samples/g_ema", grid, int(self.d_steps) - 1)
         return path
 
     # --- checkpoints -----------------------------------------------------------------------
