@@ -508,3 +508,26 @@ def test_ops_task_without_a_gpu_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="task=ops.*CUDA"):
         op_bench.run(_compose_ops([]))
+
+
+def test_progress_bar_counts_every_row(tmp_path, monkeypatch):
+    import namodels.benchmark.throughput as throughput
+
+    bars = []
+
+    class Recording(throughput.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.shown = not self.disable  # (closing a bar disables it)
+            bars.append(self)
+
+    monkeypatch.setattr(throughput, "tqdm", Recording)
+    options = BenchOptions(models=["nat_digits", "/", "test_resnet"], backends=["naive", "sdpa"], precisions=["fp32"],
+                           batch_size=2, img_size=32, device="cpu", timing=FAST, chart=False)
+    rows = run_benchmarks(options, str(tmp_path / "a"), progress=True)
+    # planned 2 models x 2 backends; test_resnet has no NA layer, so it runs once: 3 rows
+    assert len(rows) == 3 and (bars[0].n, bars[0].total) == (3, 3) and bars[0].shown
+    run_benchmarks(replace(options, resume=True), str(tmp_path / "a"), progress=True)  # rows done already count
+    assert (bars[1].n, bars[1].total) == (3, 3)
+    run_benchmarks(replace(options, resume=True), str(tmp_path / "a"))
+    assert not bars[2].shown                                             # not a terminal: no bar by default

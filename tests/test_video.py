@@ -409,3 +409,26 @@ def test_video_eval_refuses_other_checkpoints(tmp_path):
         load_video_checkpoint(str(path))
     with pytest.raises(ValueError, match="does not exist"):
         load_video_checkpoint(str(tmp_path / "missing.ckpt"))
+
+
+def test_video_clips_length_scan_has_a_progress_bar(tmp_path, monkeypatch):
+    """Knowing a video file's length means decoding it: that scan shows a bar; frame folders need none."""
+    from PIL import Image
+
+    import namodels.data.video as video
+
+    bars = []
+
+    class Recording(video.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append((self.total, kwargs.get("disable")))
+
+    monkeypatch.setattr(video, "tqdm", Recording)
+    _write_frames(tmp_path / "frames" / "a", 6)
+    VideoClips(str(tmp_path / "frames"), num_frames=4, image_size=8)
+    gif = [Image.fromarray(np.full((8, 8, 3), 30 * i, np.uint8)) for i in range(6)]
+    for name in ("x", "y"):
+        gif[0].save(tmp_path / "frames" / f"{name}.gif", save_all=True, append_images=gif[1:], duration=40, loop=0)
+    VideoClips(str(tmp_path / "frames"), num_frames=4, image_size=8)
+    assert bars == [(1, True), (3, None)]  # off without files; on a terminal over all 3 videos with 2 files

@@ -36,6 +36,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import ops
 
@@ -471,10 +473,13 @@ def _backends_for(run: _Run, spec: ModelSpec, group_models: Sequence[str], all_m
 
 
 def run_benchmarks(options: BenchOptions, out_dir: str, *, command: str | None = None,
-                   restart: Callable[[], None] | None = None, deadline_at: float | None = None) -> list[dict]:
+                   restart: Callable[[], None] | None = None, deadline_at: float | None = None,
+                   progress: bool | None = None) -> list[dict]:
     """Runs the plan; returns all rows.  ``restart`` (CLI only) is called when the CUDA context died: it
     re-executes the process, which resumes from ``rows.jsonl``; without it the remaining rows are
-    recorded as not run.  ``deadline_at`` (epoch seconds) overrides ``options.deadline_s``."""
+    recorded as not run.  ``deadline_at`` (epoch seconds) overrides ``options.deadline_s``.
+    ``progress``: a progress bar over the rows (model x backend x precision) on stderr; ``None``: only
+    when stderr is a terminal.  Log records and the per-row lines print above it."""
     device = _resolve_device(options.device)
     options = options.defaults_for(device)
     for p in options.precisions:
@@ -486,48 +491,68 @@ def run_benchmarks(options: BenchOptions, out_dir: str, *, command: str | None =
     groups = model_groups(options.models)
     all_models = [m for g in groups for m in g]
     lost_context = None
-    for group in groups:
-        for precision in options.precisions:
-            for name in group:
-                spec = model_spec(name, options.img_size, options.frames)
-                try:
-                    backends = _backends_for(run, spec, group, all_models) if lost_context is None else \
-                        list(options.backends)
-                except Exception as err:  # noqa: BLE001  (a model that does not build is reported, not fatal)
-                    run.write(dict(_not_run(name, NO_BACKEND, precision, _short(err), spec.img_size, device),
-                                   status="error"))
-                    continue
-                for backend in backends:
-                    key = (name, backend, precision)
-                    if key in run.done:
-                        continue
-                    if lost_context is not None:
-                        run.write(_not_run(name, backend, precision, lost_context, spec.img_size, device))
-                        continue
-                    if deadline is not None and deadline - time.time() < options.min_row_s:
-                        run.write(_not_run(name, backend, precision, "not run: time budget spent", spec.img_size,
-                                           device))
-                        continue
+    # planned rows: every backend for every model; a model's row count is corrected once its backends are known
+    bar = tqdm(total=len(all_models) * len(options.precisions) * len(options.backends), desc="throughput",
+               unit="row", disable=None if progress is None else not progress, dynamic_ncols=True)
+    with bar, logging_redirect_tqdm():
+        for group in groups:
+            for precision in options.precisions:
+                for name in group:
+                    spec = model_spec(name, options.img_size, options.frames)
+                    bar.set_postfix_str(f"{name} {precision}")
                     try:
-                        row = _measure_row(run, spec, backend, precision)
-                    except Exception as err:  # noqa: BLE001  (e.g. the model does not build on the device)
-                        row = dict(_not_run(name, backend, precision, _short(err), spec.img_size, device),
-                                   status="error")
-                    if row.get("cuda_ok", True) and not cuda_context_ok(device):
-                        row.update(cuda_ok=False, crash=row.get("crash") or "infer")
-                    run.write(row)  # before anything else: a restart or a kill keeps it
-                    run.done[key] = row
-                    print(_row_line(row), flush=True)
-                    if not row.get("cuda_ok", True):
-                        if restart is not None:
-                            restart()
-                        lost_context = f"not run: the CUDA context was lost at {name} {backend} {precision}"
+                        backends = _backends_for(run, spec, group, all_models) if lost_context is None else \
+                            list(options.backends)
+                    except Exception as err:  # noqa: BLE001  (a model that does not build is reported, not fatal)
+                        run.write(dict(_not_run(name, NO_BACKEND, precision, _short(err), spec.img_size, device),
+                                       status="error"))
+                        bar.total -= len(options.backends) - 1
+                        bar.update(1)
+                        continue
+                    bar.total -= len(options.backends) - len(backends)
+                    bar.refresh()
+                    for backend in backends:
+                        bar.set_postfix_str(f"{name} {backend} {precision}")
+                        try:
+                            lost_context = _run_row(run, spec, backend, precision, lost_context, deadline, restart)
+                        finally:
+                            bar.update(1)
     rows = report.read_rows(run.rows_path)
     report.write_tables(rows, out_dir, run.meta)
     if options.chart:
         report.plot(rows, os.path.join(out_dir, "throughput.png"),
                     ", ".join(f"{k} {run.meta[k]}" for k in ("device", "torch", "date") if run.meta.get(k)))
     return rows
+
+
+def _run_row(run: _Run, spec: ModelSpec, backend: str, precision: str, lost_context: str | None,
+             deadline: float | None, restart: Callable[[], None] | None) -> str | None:
+    """Measures (or records as not run) one row of the plan; returns the lost-CUDA-context reason, if any."""
+    name, device, options = spec.name, run.device, run.options
+    key = (name, backend, precision)
+    if key in run.done:
+        return lost_context
+    if lost_context is not None:
+        run.write(_not_run(name, backend, precision, lost_context, spec.img_size, device))
+        return lost_context
+    if deadline is not None and deadline - time.time() < options.min_row_s:
+        run.write(_not_run(name, backend, precision, "not run: time budget spent", spec.img_size, device))
+        return lost_context
+    try:
+        row = _measure_row(run, spec, backend, precision)
+    except Exception as err:  # noqa: BLE001  (e.g. the model does not build on the device)
+        row = dict(_not_run(name, backend, precision, _short(err), spec.img_size, device), status="error")
+    if row.get("cuda_ok", True) and not cuda_context_ok(device):
+        row.update(cuda_ok=False, crash=row.get("crash") or "infer")
+    run.write(row)  # before anything else: a restart or a kill keeps it
+    run.done[key] = row
+    tqdm.write(_row_line(row))  # above the progress bar
+    sys.stdout.flush()
+    if not row.get("cuda_ok", True):
+        if restart is not None:
+            restart()
+        return f"not run: the CUDA context was lost at {name} {backend} {precision}"
+    return lost_context
 
 
 def _measure_row(run: _Run, spec: ModelSpec, backend: str, precision: str) -> dict:
@@ -599,6 +624,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-dense-dilated", action="store_true",
                    help="also run sdpa for dinat_X when nat_X is in the run (the same dense model)")
     p.add_argument("--no-chart", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on a terminal)")
     p.add_argument("--resume", action="store_true", help="keep OUT/rows.jsonl and skip the rows it has")
     p.add_argument("--out", required=True)
     return p
@@ -661,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
 
     command = "python -m namodels.benchmark.throughput " + " ".join(shlex.quote(a) for a in argv)
     rows = run_benchmarks(options, args.out, command=command, restart=restart if device.type == "cuda" else None,
-                          deadline_at=deadline_at)
+                          deadline_at=deadline_at, progress=False if args.no_progress else None)
     print(report.markdown_table(rows))
     print()
     print(report.targets_markdown(rows))

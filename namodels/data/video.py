@@ -30,6 +30,7 @@ import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
 
 from .decoding import open_rgb, to_rgb8
 from .moving_digits import MovingDigits
@@ -157,7 +158,10 @@ class VideoClips(Dataset):
         videos, self.classes = discover_videos(root)
         videos = videos[round(subset[0] * len(videos)):round(subset[1] * len(videos))]
         span = (num_frames - 1) * frame_stride + 1
-        self.videos = [v for v in videos if len(v) >= span]
+        # a video file's length means decoding it: a progress bar (on a terminal) when there are files to decode
+        files = sum(v.frames is None for v in videos)
+        scan = tqdm(videos, desc="video lengths", unit="video", leave=False, disable=None if files else True)
+        self.videos = [v for v in scan if len(v) >= span]
         self.skipped = len(videos) - len(self.videos)
         if not self.videos:
             raise ValueError(f"root: no video under {root!r} has the {span} frames a clip needs "
