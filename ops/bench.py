@@ -444,8 +444,8 @@ def main(argv=None):
     env.update(measure_ceilings(torch.device("cuda")))
     log(json.dumps(env))
     rows, kernels = [], []
-    for p in problems:
-        log(f"{p.name}: B={p.batch} H={p.heads} D={p.dim} spatial={p.spatial} K={p.kernel_size} s={p.stride} "
+    for i, p in enumerate(problems, 1):  # "[i/n]": how far the run is (ops imports no progress-bar library)
+        log(f"[{i}/{len(problems)}] {p.name}: B={p.batch} H={p.heads} D={p.dim} spatial={p.spatial} K={p.kernel_size} s={p.stride} "
             f"d={p.dilation} causal={p.causal} rpb={p.rpb}")
         rows += run_problem(p, backends, args.backward, dtype, env, args, log)
         if args.kernels:

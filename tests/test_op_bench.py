@@ -100,3 +100,17 @@ def test_kernel_floor_bytes_count_each_tensor_once():
                       "dRPB reduction": ds}
     no_rpb = bench.kernel_floor_bytes(problems["nat-s3"], 2)
     assert no_rpb["dRPB reduction"] == 0 and no_rpb["na_bwd_dq_kernel"] == 5 * t + 2 * lse
+
+
+def test_main_counts_problems_as_it_goes(monkeypatch, capsys):
+    """Each problem's line says how far the run is; the GPU parts are stood in for."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device: {"copy_GBps": 1.0})
+    ran = []
+    monkeypatch.setattr(bench, "run_problem", lambda p, *args: ran.append(p.name) or [])
+    bench.main(["--problems", "2d-flux,nat-s1", "--backends", "naive"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert ran == ["2d-flux", "nat-s1"]
+    assert [line.split(" B=")[0] for line in lines] == ["[1/2] 2d-flux:", "[2/2] nat-s1:"]
