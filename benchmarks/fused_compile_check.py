@@ -158,7 +158,7 @@ def main(names):
         if fn is kernels.na_fwd_kernel:
             constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], STORE_LSE=True)
         if fn is kernels.na_bwd_dq_kernel:  # dS in window layout goes with RPB (its gradient)
-            constexprs = dict(constexprs, STORE_DS=constexprs["HAS_RPB"])
+            constexprs = dict(constexprs, STORE_DS=constexprs["HAS_RPB"], DS_ATOMIC=constexprs["HAS_RPB"])
         if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):
             # the mask as the score dot's initial value in the 3-D cases (the forward only without RPB)
             constexprs = dict(constexprs, MASK_IN_DOT=constexprs["ACT0"] and not (

@@ -185,7 +185,8 @@ def main():
         constexprs.update(FOLD_SCALE=not args.rpb, HOST_DESC=args.tma and args.host_desc, STORE_LSE=args.lse,
                           MASK_IN_DOT=args.mask_in_dot and not args.rpb)
     elif args.kernel == "dq":  # with RPB, dQ stores dS in window layout for its gradient (ops/fused/rpb_grad.py)
-        constexprs.update(HOST_DESC=args.tma and args.host_desc, STORE_DS=args.rpb, MASK_IN_DOT=args.mask_in_dot)
+        constexprs.update(HOST_DESC=args.tma and args.host_desc, STORE_DS=args.rpb, DS_ATOMIC=args.rpb,
+                          MASK_IN_DOT=args.mask_in_dot)
     elif args.kernel == "dkdv":
         groups = [-(-L // dl) for L, dl in zip(spatial, dilation)]
         constexprs.update(BISECT=max(g.bit_length() for g in groups), QUERY_ROWS=math.prod(q_tile) >= 64,

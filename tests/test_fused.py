@@ -256,22 +256,72 @@ def _record_drpb_paths(monkeypatch) -> list:
     return paths
 
 
-@pytest.mark.parametrize("mode", ["window", "partial-rows", "atomic"])
+@pytest.mark.parametrize("mode", ["window-atomic", "window-stored", "partial-rows", "atomic"])
 def test_batch_chunks_and_drpb_modes(monkeypatch, mode):
-    """More batch x heads than one grid row holds (launches split by batch) and the three dRPB modes: dQ's dS in
-    window layout summed by offset (up to rpb_grad.WINDOW_BUFFER_BYTES), and above that the offset pass, with
-    deterministic per-program rows or atomics (above DRPB_PARTIAL_BYTES when determinism is off)."""
+    """More batch x heads than one grid row holds (launches split by batch) and the four dRPB modes: dQ's dS in
+    window layout summed by offset (up to rpb_grad.WINDOW_BUFFER_BYTES), added over the batch by atomics or, when
+    deterministic, stored per batch element; above that the offset pass, with deterministic per-program rows or
+    atomics (above DRPB_PARTIAL_BYTES when determinism is off).  Every mode against the oracle."""
     from ops.fused import op, rpb_grad
 
     monkeypatch.setattr(launch, "MAX_GRID_Y", 4)  # 2 heads: two batch elements per launch
     paths = _record_drpb_paths(monkeypatch)
-    if mode != "window":
+    deterministic = mode in ("window-stored", "partial-rows")
+    monkeypatch.setattr(op, "DRPB_DETERMINISTIC_DEFAULT", deterministic)
+    if not mode.startswith("window"):
         monkeypatch.setattr(rpb_grad, "WINDOW_BUFFER_BYTES", 0)
     if mode == "atomic":
-        monkeypatch.setattr(op, "DRPB_DETERMINISTIC_DEFAULT", False)
         monkeypatch.setattr(launch, "DRPB_PARTIAL_BYTES", 0)
     _run(_fixed((6, 7), (3, 5), rpb=True, heads=2, heads_kv=1, batch=3), torch.float32, grads=True)
-    assert paths == ["reduce_window_ds" if mode == "window" else "_drpb_launch"]
+    assert paths == ["reduce_window_ds" if mode.startswith("window") else "_drpb_launch"]
+    if mode.startswith("window"):
+        assert _dq_ds_modes() == {(True, not deterministic)}
+
+
+def _dq_ds_modes() -> set:
+    """(STORE_DS, DS_ATOMIC) of every dQ launch plan built so far."""
+    return {(args[2]["STORE_DS"], args[2]["DS_ATOMIC"]) for key, args in launch._PLANS.items() if key[0] == "dq"}
+
+
+def test_drpb_reproducible_when_deterministic():
+    """Under torch.use_deterministic_algorithms the window-layout dS is stored per batch element and summed by
+    the host: two backward passes give bitwise equal dRPB, which matches the default (atomic) path's."""
+    p = _fixed((7, 9), (3, 5), rpb=True, heads=2, batch=4)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    q, k, v, rpb = p.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
+    rpb.requires_grad_(True)
+
+    def drpb():
+        rpb.grad = None
+        ops.neighborhood_attention(len(p.spatial), q, k, v, **p.kwargs(), rpb=rpb, backend="fused").square().sum() \
+            .backward()
+        return rpb.grad.clone()
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        first, second = drpb(), drpb()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert torch.equal(first, second)
+    assert _dq_ds_modes() == {(True, False)}
+    torch.testing.assert_close(drpb(), first, rtol=1e-5, atol=1e-5)
+    assert _dq_ds_modes() == {(True, False), (True, True)}
+
+
+def test_frozen_rpb_after_trained_rpb_keeps_inputs():
+    """A dQ plan built with the dS store must not serve a call without it (frozen RPB): the dS buffer argument is
+    then a stand-in, which the kernel would overwrite."""
+    p = _fixed((6, 7), (3, 5), rpb=True, heads=2, batch=2)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    q, k, v, rpb = p.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
+    q.requires_grad_(True)
+    for trained in (True, False):
+        rpb.requires_grad_(trained)
+        q_before = q.detach().clone()
+        ops.neighborhood_attention(len(p.spatial), q, k, v, **p.kwargs(), rpb=rpb, backend="fused").sum().backward()
+        assert torch.equal(q.detach(), q_before)
+    assert _dq_ds_modes() == {(True, True), (False, True)}
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma-loads"])
@@ -407,7 +457,7 @@ def test_unsupported_reasons(monkeypatch):
     assert "head dim" in BACKEND.unsupported(_problem(head_dim=512))
     import ops.fused as fused
 
-    monkeypatch.setattr(fused, "_INTERPRETED", False)
+    monkeypatch.setattr(fused, "interpreted", lambda: False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     reason = BACKEND.unsupported(_problem(device="cpu"))
     assert "CUDA" in reason and "TRITON_INTERPRET=1" in reason

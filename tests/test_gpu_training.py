@@ -78,7 +78,7 @@ def test_compiled_training_step_matches_eager(mode):
     # stay out of the graph's memory pool
     from ops.fused import rpb_grad
 
-    rpb_grad._ONEHOTS.clear()
+    rpb_grad._SLOT_TABLES.clear()
     torch._dynamo.reset()
     compiled = torch.compile(model, mode=mode, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True):

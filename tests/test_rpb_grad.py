@@ -28,10 +28,11 @@ def rpb_grad_size(params) -> int:
     ((9, 10), (3, 5), (1, 2), (2, 1)),
     ((5, 6, 7), (3, 3, 5), (2, 1, 1), (1, 2, 1)),
 ], ids=["1d", "2d-stride-dilation", "3d"])
-def test_window_reduction_matches_direct_sum(spatial, kernel, stride, dilation):
+@pytest.mark.parametrize("batch", [1, 2], ids=["batch-summed", "per-element"])
+def test_window_reduction_matches_direct_sum(spatial, kernel, stride, dilation, batch):
     params = make_params(spatial, kernel, stride, dilation, (False,) * len(spatial))
     gen = torch.Generator().manual_seed(0)
-    ds = torch.randn(rpb_grad.buffer_shape(2, 3, params), generator=gen)
+    ds = torch.randn(rpb_grad.buffer_shape(batch, 3, params), generator=gen)
     got = rpb_grad.reduce_window_ds(ds, params)
     assert got.shape == (3, rpb_grad_size(params)) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), _direct_sum(ds, params), rtol=1e-5, atol=1e-4)

@@ -4,8 +4,8 @@ Query tiles are N-D boxes (e.g. 8x16 in 2-D, 2x8x8 in 3-D) in dilation-group coo
 program visits only the key/value tiles covering the union of its queries' windows, masks only
 tiles partly outside a window, and keeps the attention weights on chip (online softmax, lse).
 The backward computes dQ the same way, dK/dV by looping each key/value tile over the query tiles
-whose windows reach it (the inverse neighborhood), and dRPB in a separate pass (deterministic by
-default).  Kernels: ``kernels.py``; window formulas: ``window_jit.py``; host side: ``launch.py``;
+whose windows reach it (the inverse neighborhood), and dRPB from the dS that dQ adds up per window
+slot (``rpb_grad.py``; reproducible under ``torch.use_deterministic_algorithms``).  Kernels: ``kernels.py``; window formulas: ``window_jit.py``; host side: ``launch.py``;
 tile choice and autotuning: ``tiles.py`` / ``autotune.py``; torch.library ops: ``op.py``.
 
 Runs on CUDA tensors, and on any tensor under ``TRITON_INTERPRET=1`` (Triton's interpreter, for
@@ -24,13 +24,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-# Triton decides at decoration time whether a kernel is compiled or interpreted.
-_INTERPRETED = type(kernels.na_fwd_kernel).__name__ == "InterpretedFunction"
-
-
-def interpreted() -> bool:
-    """True when the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    return _INTERPRETED
+interpreted = kernels.interpreted
 
 
 class FusedBackend:

@@ -39,8 +39,11 @@ import triton.language as tl
 
 from .window_jit import first_query_reaching, group_length, last_query_reaching, window_start, window_stop
 
-LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634  # host side: scales are passed premultiplied
 LN2 = 0.6931471805599453
+# the same constants inside kernels (Triton reads module globals only as constexprs)
+LOG2E_C = tl.constexpr(LOG2E)
+LN2_C = tl.constexpr(LN2)
 
 
 @triton.jit
@@ -304,7 +307,7 @@ def _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2
                 MASK_IN_DOT, PREC) * qk_scale
     if HAS_RPB:
         ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
-        s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
+        s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * LOG2E_C
     p = tl.math.exp2(s - lse2[:, None])
     if not MASK_IN_DOT:
         p = _mask_outside(p, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
@@ -314,15 +317,20 @@ def _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2
 
 @triton.jit
 def _store_window_ds(base, ds, q_ok, q_tok, stride_token, kj0, kj1, kj2, start0, stop0, start1, stop1, start2, stop2,
-                     K1, K2):
+                     K1, K2, ATOMIC: tl.constexpr):
     """Stores the [queries, keys] tile ``ds`` at ``base + token * stride_token + slot`` for the pairs inside each
     query's window (slot: the key's row-major position in the window).  Every (query, slot) pair lies in exactly one
-    key tile of the query's loop, so each is written once."""
+    key tile of the query's loop, so each is written once per batch element; ``ATOMIC`` adds it instead, into a
+    buffer that every batch element shares (the batch sum done in L2, with no per-element buffer to write and
+    read back)."""
     inside = q_ok[:, None] & _axis_keep(kj0, start0, stop0, False) & _axis_keep(kj1, start1, stop1, False)
     inside = inside & _axis_keep(kj2, start2, stop2, False)
     slot = ((kj0[None, :] - start0[:, None]) * K1 + (kj1[None, :] - start1[:, None])) * K2 + \
         (kj2[None, :] - start2[:, None])
-    tl.store(base + q_tok[:, None] * stride_token + slot, ds, mask=inside)
+    if ATOMIC:
+        tl.atomic_add(base + q_tok[:, None] * stride_token + slot, ds, mask=inside, sem="relaxed")
+    else:
+        tl.store(base + q_tok[:, None] * stride_token + slot, ds, mask=inside)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +364,7 @@ def _offset_bias(RPB, h, o0, o1, o2, K0, K1, K2):
     w1 = 2 * K1 - 1
     w2 = 2 * K2 - 1
     rel = ((o0 + K0 - 1) * w1 + (o1 + K1 - 1)) * w2 + (o2 + K2 - 1)
-    return tl.load(RPB + h * ((2 * K0 - 1) * w1 * w2) + rel) * 1.4426950408889634
+    return tl.load(RPB + h * ((2 * K0 - 1) * w1 * w2) + rel) * LOG2E_C
 
 
 @triton.jit
@@ -448,7 +456,7 @@ def _attend_by_offset(Q, Kp, V, RPB, O, LSE, q_base, k_base, v_base, o_base, l_b
         tl.store(O + o_base + q_tok[:, None] * sot + offs_dv[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
                  mask=q_ok[:, None] & dv_ok[None, :])
         if STORE_LSE:
-            lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+            lse = (m_i + tl.math.log2(l_i)) * LN2_C
             tl.store(LSE + l_base + q_tok * slt + h, lse.to(LSE.dtype.element_ty), mask=q_ok)
 
 
@@ -472,7 +480,7 @@ def _dq_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DQ, q_base, k_base, v_base, do_
                     other=0.0).to(tl.float32)
         do = tl.load(DO + do_base + q_tok[:, None] * sdt + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :],
                      other=0.0).to(tl.float32)
-        lse2 = tl.load(LSE + l_base + q_tok * slt + h, mask=q_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        lse2 = tl.load(LSE + l_base + q_tok * slt + h, mask=q_ok, other=0.0).to(tl.float32) * LOG2E_C
         delta = tl.load(DELTA + l_base + q_tok * slt + h, mask=q_ok, other=0.0).to(tl.float32)
         dq = tl.zeros([SUB, BLOCK_D], tl.float32)
         for t in tl.range(0, n0 * n1 * n2, num_stages=1):
@@ -537,7 +545,7 @@ def _dkdv_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV, b, hk, GROUP, sqb, sq
                         do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + q_tok[:, None] * sdt + offs_dv[None, :],
                                      mask=adm[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
                         l_off = b.to(tl.int64) * slb + q_tok * slt + h
-                        lse2 = tl.load(LSE + l_off, mask=adm, other=0.0).to(tl.float32) * 1.4426950408889634
+                        lse2 = tl.load(LSE + l_off, mask=adm, other=0.0).to(tl.float32) * LOG2E_C
                         delta = tl.load(DELTA + l_off, mask=adm, other=0.0).to(tl.float32)
                         s = tl.sum(q * k, 1) * qk_scale
                         if HAS_RPB:
@@ -632,7 +640,7 @@ def na_fwd_kernel(
             s = s * qk_scale
             if HAS_RPB:
                 ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
-                s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * 1.4426950408889634
+                s += tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx) * LOG2E_C
             s_scale = 1.0
         if not MASK_IN_DOT:
             s = _mask_outside(s, float("-inf"), k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
@@ -661,7 +669,7 @@ def na_fwd_kernel(
         tl.store(O + o_base + q_tok[:, None] * sot + offs_dv[None, :], out.to(O.dtype.element_ty),
                  mask=q_ok[:, None] & dv_ok[None, :])
         if STORE_LSE:  # skipped where nobody reads it (inference): 4 scattered bytes per query and head
-            lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+            lse = (m_i + tl.math.log2(l_i)) * LN2_C
             tl.store(LSE + b.to(tl.int64) * slb + q_tok * slt + h, lse.to(LSE.dtype.element_ty), mask=q_ok)
 
 
@@ -711,14 +719,15 @@ def na_bwd_dq_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
-    TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_DS: tl.constexpr, MASK_IN_DOT: tl.constexpr,
-    PREC: tl.constexpr, GATHER_ROWS: tl.constexpr,
+    TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_DS: tl.constexpr, DS_ATOMIC: tl.constexpr,
+    MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr,
 ):
     # lse and delta share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (as in the forward), else unused.
     # ``STORE_DS``: also writes dS in window layout, DSW[b, token, h, slot] (float32, strides swb, swt, swh; slot =
     # row-major position of the key in the query's window), from which the host sums the RPB gradient by offset
-    # (``ops/fused/rpb_grad.py``); else DSW is unused.
+    # (``ops/fused/rpb_grad.py``); else DSW is unused.  ``DS_ATOMIC``: DSW is one [token, h, slot] buffer for the
+    # whole batch (swb = 0) that every program adds into.
     g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2, ACT0, ACT1)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -748,7 +757,7 @@ def na_bwd_dq_kernel(
     do = tl.load(DO + do_base + q_tok[:, None] * sdt + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :],
                  other=0.0)
     l_off = b.to(tl.int64) * slb + q_tok * slt + h
-    lse2 = tl.load(LSE + l_off, mask=q_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    lse2 = tl.load(LSE + l_off, mask=q_ok, other=0.0).to(tl.float32) * LOG2E_C
     delta = tl.load(DELTA + l_off, mask=q_ok, other=0.0).to(tl.float32)
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
@@ -781,7 +790,7 @@ def na_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         if STORE_DS:
             _store_window_ds(DSW + b.to(tl.int64) * swb + h * swh, ds, q_ok, q_tok, swt, kj0, kj1, kj2,
-                             start0, stop0, start1, stop1, start2, stop2, K1, K2)
+                             start0, stop0, start1, stop1, start2, stop2, K1, K2, DS_ATOMIC)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
 
     dq = dq * scale
@@ -912,7 +921,7 @@ def na_bwd_dkdv_kernel(
                          mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
         l_off = b.to(tl.int64) * slb + q_tok * slt + h
         # Rows past the group end get lse = +inf: probability 0, so they add nothing to dK/dV.
-        lse2 = tl.load(LSE + l_off, mask=q_ok, other=float("inf")).to(tl.float32) * 1.4426950408889634
+        lse2 = tl.load(LSE + l_off, mask=q_ok, other=float("inf")).to(tl.float32) * LOG2E_C
         delta = tl.load(DELTA + l_off, mask=q_ok, other=0.0).to(tl.float32)
 
         _, _, in_lo0, in_hi0 = _axis_span(q0, T0, Lg0, K0, S0, CAUSAL0)
@@ -937,7 +946,7 @@ def na_bwd_dkdv_kernel(
             if HAS_RPB:
                 ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
                 bias = tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx)
-                st += tl.trans(bias) * 1.4426950408889634
+                st += tl.trans(bias) * LOG2E_C
             pt = tl.math.exp2(st - lse2[None, :])
             if not MASK_IN_DOT:
                 pt = _mask_outside(pt, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
@@ -1007,7 +1016,7 @@ def na_bwd_drpb_kernel(
     do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + q_tok[:, None] * sdt + offs_dv[None, :],
                  mask=q_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
     l_off = b.to(tl.int64) * slb + q_tok * slt + h
-    lse2 = tl.load(LSE + l_off, mask=q_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    lse2 = tl.load(LSE + l_off, mask=q_ok, other=0.0).to(tl.float32) * LOG2E_C
     delta = tl.load(DELTA + l_off, mask=q_ok, other=0.0).to(tl.float32)
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
@@ -1046,7 +1055,7 @@ def na_bwd_drpb_kernel(
                     other=0.0).to(tl.float32)
         rel = ((o0 + K0 - 1) * w1 + (o1 + K1 - 1)) * w2 + (o2 + K2 - 1)
         bias = tl.load(RPB + h * n_rel + rel).to(tl.float32)
-        s = tl.sum(q * k, 1) * qk_scale + bias * 1.4426950408889634
+        s = tl.sum(q * k, 1) * qk_scale + bias * LOG2E_C
         p = tl.math.exp2(s - lse2)
         dp = tl.sum(do * v, 1)
         ds = tl.sum(tl.where(adm, p * (dp - delta), 0.0), 0)
@@ -1054,3 +1063,41 @@ def na_bwd_drpb_kernel(
             tl.atomic_add(DRPB + out_base + rel, ds)
         else:
             tl.store(DRPB + out_base + rel, ds)
+
+
+# ---------------------------------------------------------------------------------------------
+# dRPB from dQ's window-layout dS (``rpb_grad``): one program per (relative offset, head)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def na_drpb_window_kernel(DS, SLOTS, DRPB, N, H, S, L1, L2, W0, W1, W2, K1, K2, SLOTS1, SLOTS2,
+                          BLOCK_N: tl.constexpr):
+    """``DRPB[h, r] = sum_n DS[n, h, slot(n, r)]`` (``DS``: ``[N, H, S]`` with ``S = K0 * K1 * K2`` slots per token,
+    ``DRPB``: ``[H, W0 * W1 * W2]``, float32) over the tokens whose window holds the key at relative offset ``r``.
+    Per axis, ``SLOTS`` maps (position, offset index) to the window slot holding that offset, or -1: ``[L_a, W_a]``
+    int32 tables at element offsets 0, ``SLOTS1``, ``SLOTS2``; a token's slot is the row-major combination of its
+    axes' slots.  Each (token, slot) has exactly one offset, so the buffer is read once, in a fixed order."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    r2 = r % W2
+    r1 = (r // W2) % W1
+    r0 = r // (W2 * W1)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for first in range(0, N, BLOCK_N):
+        n = first + tl.arange(0, BLOCK_N)
+        ok = n < N
+        p2 = n % L2
+        p1 = (n // L2) % L1
+        p0 = n // (L2 * L1)
+        s0 = tl.load(SLOTS + p0 * W0 + r0, mask=ok, other=-1)
+        s1 = tl.load(SLOTS + SLOTS1 + p1 * W1 + r1, mask=ok, other=-1)
+        s2 = tl.load(SLOTS + SLOTS2 + p2 * W2 + r2, mask=ok, other=-1)
+        held = ok & (s0 >= 0) & (s1 >= 0) & (s2 >= 0)
+        slot = (s0 * K1 + s1) * K2 + s2
+        acc += tl.load(DS + (n.to(tl.int64) * H + h) * S + slot, mask=held, other=0.0)
+    tl.store(DRPB + h * (W0 * W1 * W2) + r, tl.sum(acc, 0))
+
+
+def interpreted() -> bool:
+    """True when the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when this module was
+    imported: Triton decides at decoration time)."""
+    return type(na_fwd_kernel).__name__ == "InterpretedFunction"

@@ -23,10 +23,6 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _interpreted() -> bool:
-    return type(kernels.na_fwd_kernel).__name__ == "InterpretedFunction"
-
-
 def _tokens(t: torch.Tensor, n: int) -> torch.Tensor:
     """[B, *spatial, H, D] -> [B, N, H, D] with unit last stride (a view when possible).
 
@@ -35,7 +31,7 @@ def _tokens(t: torch.Tensor, n: int) -> torch.Tensor:
     the input dtype.  On the GPU the kernels read bfloat16 directly.
     """
     t = t.reshape(t.shape[0], n, t.shape[-2], t.shape[-1])
-    if t.dtype == torch.bfloat16 and _interpreted():
+    if t.dtype == torch.bfloat16 and kernels.interpreted():
         t = t.float()
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -122,7 +118,7 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
     copies: a Hopper or newer GPU with 16-bit values (the interpreter runs the same kernel code in any
     dtype), base pointers and batch / token / head strides on 16-byte boundaries (the copy engine's
     rule; the descriptors step whole tokens and heads)."""
-    if _interpreted():  # any GPU and dtype, but the copy engine's alignment rule still holds for descriptors
+    if kernels.interpreted():  # any GPU and dtype, but the copy engine's alignment rule still holds for descriptors
         return all(_copy_aligned(t) for t in tensors)
     first = tensors[0]
     if not first.is_cuda or torch.cuda.get_device_capability(first.device)[0] < 9:
@@ -418,6 +414,7 @@ class _DirectBackward:
     drpb_atomic: bool
     drpb_buffer: tuple  # shape of the dRPB accumulator (per-program partial rows unless atomic)
     ds_window: tuple | None  # shape of dQ's window-layout dS (``rpb_grad``) where it gives dRPB, else None
+    ds_atomic: bool  # that buffer is summed over the batch by the dQ kernel's atomics (``window_ds_atomic``)
     params: NAParams
     shapes: tuple  # (B, N, Hq, Hkv, D, Dv)
     rpb_direct: bool
@@ -451,7 +448,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     dk = _empty(k.shape, k.dtype, dev)
     dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
     table = (rpb if plan.rpb_direct else _rpb_table(rpb, hq)) if rpb is not None else q
-    ds_window = None if plan.ds_window is None else _empty(plan.ds_window, torch.float32, dev)
+    ds_window = None if plan.ds_window is None else _window_ds_buffer(plan.ds_window, plan.ds_atomic, dev)
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
     plan.dq((q, k, v, table, d_out, lse, delta, dq, *descriptor_args(q, plan.dq_layouts, (k, v)),
              q if ds_window is None else ds_window))
@@ -459,7 +456,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
                *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out))))
     total = None
     if ds_window is not None:
-        total = rpb_grad.reduce_window_ds(ds_window, plan.params)
+        total = rpb_grad.reduce_window_ds(ds_window.view(plan.ds_window), plan.params)
     elif plan.drpb is not None:
         partial = torch.zeros(plan.drpb_buffer, dtype=torch.float32, device=dev)
         plan.drpb((q, k, v, table, d_out, lse, delta, partial))
@@ -486,11 +483,12 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     rpb_arg = table if has_rpb else q4
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     # dRPB from dQ's dS in window layout where that buffer is small enough, else from the offset pass (rpb_grad)
-    ds_window = None
-    if has_rpb and want_drpb and rpb_grad.window_path_ok(b, hq, params):
-        # every slot is written (non-causal windows are full): an allocation the tests poison, like the outputs
-        ds_window = _empty(rpb_grad.buffer_shape(b, hq, params), torch.float32, q.device)
-    idx64 = needs_int64(q4, k4, v4, do4, o4, *(() if ds_window is None else (ds_window,)))  # gradients: contiguous
+    ds_window = ds_shape = None
+    ds_atomic = window_ds_atomic(deterministic)
+    if has_rpb and want_drpb and rpb_grad.window_path_ok(1 if ds_atomic else b, hq, params):
+        ds_shape = rpb_grad.buffer_shape(1 if ds_atomic else b, hq, params)
+        ds_window = _window_ds_buffer(ds_shape, ds_atomic, q.device)
+    idx64 = needs_int64(q4, k4, v4, do4, o4, *(() if ds_window is None else (ds_window.view(ds_shape),)))
     # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
     # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
@@ -505,8 +503,9 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         meta["TMA"] = launch.tma and dq_tma_ok
         meta["HOST_DESC"] = meta["TMA"] and dq_host
         meta["STORE_DS"] = ds_window is not None
+        meta["DS_ATOMIC"] = ds_atomic
         meta["MASK_IN_DOT"] = mask_in_dot(params, launch, scale)
-        scalars = (*common, *_strides(dq), *(_strides(ds_window) if ds_window is not None else (0, 0, 0)), hq,
+        scalars = (*common, *_strides(dq), *_window_ds_strides(ds_shape, ds_atomic), hq,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
         layouts = (host_kv_layouts(params, k4, v4, launch.inner_tile),) if meta["HOST_DESC"] else None
         return programs, scalars, meta, layouts
@@ -542,14 +541,14 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     shapes = (params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), do4.stride(), q.dtype,
               has_rpb, scale, dq_tma_ok, dkdv_tma_ok, dq_host, dkdv_host, precision)
     launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
-    dq_args = _plan(("dq", launch, *shapes), lambda: dq_plan(launch))
+    dq_args = _plan(("dq", launch, *shapes, ds_shape, ds_atomic), lambda: dq_plan(launch))
     run_dq(launch, dq_args)
     launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok, host_descriptors=dkdv_host)
     dkdv_args = _plan(("dkdv", launch, *shapes), lambda: dkdv_plan(launch))
     run_dkdv(launch, dkdv_args)
     total = drpb_launch = drpb_partial = None
     if ds_window is not None:
-        total = rpb_grad.reduce_window_ds(ds_window, params)
+        total = rpb_grad.reduce_window_ds(ds_window.view(ds_shape), params)
     elif has_rpb and want_drpb:
         drpb_launch, drpb_partial, atomic = _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic,
                                                          q, k, v, idx64)
@@ -570,7 +569,8 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
             drpb=drpb_launch,
             drpb_atomic=drpb_launch is not None and atomic,
             drpb_buffer=None if drpb_partial is None else tuple(drpb_partial.shape),
-            ds_window=None if ds_window is None else tuple(ds_window.shape),
+            ds_window=ds_shape,
+            ds_atomic=ds_atomic,
             params=params,
             shapes=(b, n, hq, hkv, d, dv),
             rpb_direct=_rpb_direct(rpb),
@@ -579,6 +579,31 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
         )
     spatial = q.shape[1:-2]
     return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
+
+
+def window_ds_atomic(deterministic: bool) -> bool:
+    """Whether dQ sums its window-layout dS over the batch with float32 atomics (one [N, H, slots] buffer, summation
+    order free) rather than storing one buffer per batch element for the host to sum (bitwise reproducible, B times
+    the memory traffic; taken under ``deterministic``)."""
+    return not deterministic
+
+
+def _window_ds_buffer(shape, atomic: bool, device):
+    """dQ's window-layout dS buffer.  The atomic one starts at zero and is flat, so that batch chunks
+    (``_launch_chunks``) pass it whole; the stored one is ``[B, N, H, slots]``, sliced by batch like the gradients,
+    and written in full (non-causal windows are full): an allocation the tests poison like the outputs."""
+    if atomic:
+        return torch.zeros(math.prod(shape), dtype=torch.float32, device=device)
+    return _empty(shape, torch.float32, device)
+
+
+def _window_ds_strides(shape, atomic: bool) -> tuple:
+    """(batch, token, head) strides of the window-layout buffer ``[B, N, H, slots]``; every batch element adds into
+    the same memory when it is atomic."""
+    if shape is None:
+        return 0, 0, 0
+    _, n, h, slots = shape
+    return (0 if atomic else n * h * slots), h * slots, slots
 
 
 def _delta_launch(o4, do4, has_dlse: bool) -> _Launch:

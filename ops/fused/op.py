@@ -13,7 +13,9 @@ import torch
 from . import launch
 from ..window import NAParams
 
-DRPB_DETERMINISTIC_DEFAULT = True
+# dRPB sums over the batch in a free order (float32 atomics, like torch's own scatter-add backward) unless this is
+# True or torch.use_deterministic_algorithms(True) is on; the reproducible path moves B times the bytes.
+DRPB_DETERMINISTIC_DEFAULT = False
 
 
 def _params(q: torch.Tensor, kernel_size, stride, dilation, is_causal) -> NAParams:

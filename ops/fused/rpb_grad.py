@@ -1,4 +1,4 @@
-"""The RPB gradient from dS in window layout (host side of the dQ kernel's ``STORE_DS``).
+"""The RPB gradient from dS in window layout (host side of the dQ kernel's ``STORE_DS`` / ``DS_ATOMIC``).
 
 dRPB[h, r] sums dS(i, j) over every batch element and every (query i, key j) pair whose relative offset is r.
 In the kernels' [queries, keys] tiles those pairs lie on diagonals, which Triton cannot reduce cheaply; a pass
@@ -7,20 +7,23 @@ made it most of a small-window RPB backward (numbers in docs/fused.md).
 
 Here the dQ kernel, which computes dS anyway, writes it in window layout: ``ds[b, token, h, slot]``, slot = the
 key's row-major position in the query's window.  In that layout the offset of (query, slot) is, per axis, a fixed
-function of the query's position and the slot (``ops.window.axis_neighbor_table``), so the sum is a batch
-reduction followed by one small contraction per axis with a one-hot [positions, slots, offsets] table.
+function of the query's position and the slot (``ops.window.axis_neighbor_table``): one small kernel
+(``na_drpb_window_kernel``) sums it by offset, reading each element once through per-axis (position, offset) ->
+slot tables.
 
-The buffer holds ``B * N * H * prod(K)`` float32 values (157 MB for nat-s1: B 128, 56x56, 2 heads, 7x7), so it is
-used only up to ``WINDOW_BUFFER_BYTES``; larger problems keep the offset pass.
+By default dQ adds dS over the batch with float32 atomics into one ``N * H * prod(K)`` buffer (1.2 MB for nat-s1:
+56x56, 2 heads, 7x7), in no fixed order; deterministic runs (``torch.use_deterministic_algorithms``) store one
+buffer per batch element (``B`` times the bytes: 157 MB for nat-s1 at B 128) and sum them in order.  The buffer is
+used up to ``WINDOW_BUFFER_BYTES``; larger problems keep the offset pass.
 """
 from __future__ import annotations
 
 import math
-import string
 import threading
 
 import torch
 
+from . import kernels
 from ..window import NAParams, axis_neighbor_table
 
 WINDOW_BUFFER_BYTES = 1 << 30
@@ -38,35 +41,42 @@ def window_path_ok(batch: int, heads: int, params: NAParams) -> bool:
     return 4 * math.prod(buffer_shape(batch, heads, params)) <= WINDOW_BUFFER_BYTES
 
 
-def _onehots(params: NAParams, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per axis, [L, K, 2K - 1] float32: 1 where (position, slot) has that relative offset."""
+def _slot_tables(params: NAParams, device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Per axis (padded to three with length-1 axes), ``[L, 2K - 1]``: the window slot of each position that holds
+    each relative offset index, or -1; flattened into one int32 tensor, with the element offsets of axes 1 and 2."""
+    pad = 3 - params.rank
+    axes = [(1, 1, 1, 1, False)] * pad + list(params.axes())
     tables = []
-    for L, K, s, d, causal in params.axes():
-        _, _, rel = axis_neighbor_table(L, K, s, d, causal, device)
-        tables.append(torch.nn.functional.one_hot(rel, 2 * K - 1).to(torch.float32))
-    return tuple(tables)
+    for L, K, s, d, causal in axes:
+        _, valid, rel = axis_neighbor_table(L, K, s, d, causal)
+        table = torch.full((L, 2 * K - 1), -1, dtype=torch.int32)
+        rows, slots = valid.nonzero(as_tuple=True)  # a row's valid slots hold distinct offsets
+        table[rows, rel[rows, slots]] = slots.to(torch.int32)
+        tables.append(table.flatten())
+    starts = (tables[0].numel(), tables[0].numel() + tables[1].numel())
+    return torch.cat(tables).to(device), starts
 
 
 # The tables per (problem, device), built once.  A cached table must stay outside CUDA-graph memory pools:
 # torch.compile's CUDA graphs (cudagraph trees) route every allocation of the thread that warms up or records a
 # graph into the graph's private pool and refuse a graph that leaves a pool tensor alive beyond its outputs.
-_ONEHOTS: dict[tuple, tuple[torch.Tensor, ...]] = {}
+_SLOT_TABLES: dict[tuple, tuple[torch.Tensor, tuple[int, ...]]] = {}
 MAX_CACHED_PROBLEMS = 64
 
 
-def _axis_onehots(params: NAParams, device: torch.device) -> tuple[torch.Tensor, ...]:
+def slot_tables(params: NAParams, device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
     key = (params, device)
-    tables = _ONEHOTS.get(key)
+    tables = _SLOT_TABLES.get(key)
     if tables is not None:
         return tables
     if device.type != "cuda":
-        tables = _onehots(params, device)
+        tables = _slot_tables(params, device)
     elif torch.cuda.is_current_stream_capturing():  # no graph-pool tensor may outlive the capture: not cached
-        return _onehots(params, device)
+        return _slot_tables(params, device)
     else:
-        tables = _built_on_another_thread(lambda: _onehots(params, device), device)
-    if len(_ONEHOTS) < MAX_CACHED_PROBLEMS:
-        _ONEHOTS[key] = tables
+        tables = _built_on_another_thread(lambda: _slot_tables(params, device), device)
+    if len(_SLOT_TABLES) < MAX_CACHED_PROBLEMS:
+        _SLOT_TABLES[key] = tables
     return tables
 
 
@@ -83,20 +93,21 @@ def _built_on_another_thread(build, device: torch.device):
     return result[0]
 
 
+REDUCE_BLOCK = 256
+
+
 def reduce_window_ds(ds: torch.Tensor, params: NAParams) -> torch.Tensor:
-    """dRPB ``[H, prod(2K - 1)]`` (float32) from ``ds`` ``[B, N, H, prod(K)]``."""
-    heads = ds.shape[2]
-    rank = params.rank
-    x = ds.sum(0).reshape(*params.spatial, heads, *params.kernel_size)
-    letters = iter(string.ascii_letters)
-    pos = [next(letters) for _ in range(rank)]
-    head = next(letters)
-    slot = [next(letters) for _ in range(rank)]
-    off = [next(letters) for _ in range(rank)]
-    dims = pos + [head] + slot
-    # one axis at a time: (position, slot) -> offset; the operands stay the size of one batch element's dS
-    for a, onehot in enumerate(_axis_onehots(params, ds.device)):
-        out = [c for c in dims if c not in (pos[a], slot[a])] + [off[a]]
-        x = torch.einsum(f"{''.join(dims)},{pos[a]}{slot[a]}{off[a]}->{''.join(out)}", x, onehot)
-        dims = out
-    return x.reshape(heads, -1)
+    """dRPB ``[H, prod(2K - 1)]`` (float32) from ``ds`` ``[B, N, H, prod(K)]`` (B = 1 for the batch-summed buffer
+    of dQ's atomics): a batch sum where B > 1, then one ``na_drpb_window_kernel`` launch."""
+    x = (ds[0] if ds.shape[0] == 1 else ds.sum(0)).contiguous()
+    n, heads, slots = x.shape
+    tables, (start1, start2) = slot_tables(params, ds.device)
+    pad = 3 - params.rank
+    L = (1,) * pad + tuple(params.spatial)
+    K = (1,) * pad + tuple(params.kernel_size)
+    W = tuple(2 * k - 1 for k in K)
+    out = torch.empty(heads, math.prod(W), dtype=torch.float32, device=ds.device)
+    kernels.na_drpb_window_kernel[(math.prod(W), heads)](
+        x, tables, out, n, heads, slots, L[1], L[2], *W, K[1], K[2], start1, start2, BLOCK_N=REDUCE_BLOCK,
+        num_warps=4)
+    return out
