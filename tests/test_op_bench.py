@@ -43,8 +43,8 @@ def test_backend_calls_keep_their_own_backend_and_inputs(monkeypatch, backward):
     for name in ("fused", "flex"):
         made[name][1]()
     assert [name for name, _ in calls] == ["fused", "flex"]
-    if backward:  # its own leaves, with gradients, not the shared inputs
-        assert all(t is not q and t.grad is not None for _, t in calls)
+    if backward:  # its own leaves, which need gradients, not the shared inputs
+        assert all(t is not q and t.requires_grad and t.is_leaf for _, t in calls)
         assert calls[0][1] is not calls[1][1]
     else:
         assert all(t is q for _, t in calls)
@@ -89,17 +89,32 @@ def test_run_problem_on_the_cpu_with_alternating_rounds(monkeypatch, backward):
 
 def test_kernel_floor_bytes_count_each_tensor_once():
     """The per-kernel floors of the NAT-Tiny stage problems: T = one [B, N, H, D] tensor, L = one float32 per
-    query row; dQ also writes the float32 window-layout dS (49 slots per query) where RPB is trained."""
+    query row; the dRPB kernel reads the batch-summed float32 window-layout dS (49 slots per token and head) once."""
     problems = {p.name: p for p in bench.standard_problems()}
     p = problems["nat-tiny-3"]
     rows = 128 * 14 * 14 * 8
-    t, lse, ds = rows * 32 * 2, rows * 4, rows * 49 * 4
+    t, lse, ds = rows * 32 * 2, rows * 4, 14 * 14 * 8 * 49 * 4
     floors = bench.kernel_floor_bytes(p, 2)
     assert floors == {"na_fwd_kernel": 4 * t, "na_bwd_delta_kernel": 2 * t + lse,
-                      "na_bwd_dq_kernel": 5 * t + 2 * lse + ds, "na_bwd_dkdv_kernel": 6 * t + 2 * lse,
-                      "dRPB reduction": ds}
+                      "na_bwd_dq_kernel": 5 * t + 2 * lse, "na_bwd_dkdv_kernel": 6 * t + 2 * lse,
+                      "na_drpb_window_kernel": ds}
     no_rpb = bench.kernel_floor_bytes(problems["nat-s3"], 2)
-    assert no_rpb["dRPB reduction"] == 0 and no_rpb["na_bwd_dq_kernel"] == 5 * t + 2 * lse
+    assert no_rpb["na_drpb_window_kernel"] == 0 and no_rpb["na_bwd_dq_kernel"] == 5 * t + 2 * lse
+
+
+def test_backward_timing_returns_gradients_without_accumulating():
+    """The timed forward + backward computes every input's gradient with autograd.grad, so no gradient
+    accumulation kernel (absent from a training step with zeroed grads) is timed with it."""
+    p = bench.BenchProblem("tiny-rpb", 1, 2, 16, (6, 6), (3, 3), rpb=True)
+    q, k, v, rpb = p.random_inputs(torch.device("cpu"), torch.float32, torch.Generator().manual_seed(0))
+    calls = []
+    real = torch.autograd.grad
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.autograd, "grad", lambda out, inputs, grad: calls.append(len(inputs)) or real(out, inputs,
+                                                                                                        grad))
+        _, fn = bench._backend_call(p, "naive", q, k, v, rpb, torch.randn(q.shape))
+        fn()
+    assert calls == [4]
 
 
 def test_main_counts_problems_as_it_goes(monkeypatch, capsys):
