@@ -293,7 +293,8 @@ def _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2):
     col = (kj0 * w1 + kj1) * w2 + kj2
     row = ((K0 - 1 - qc0) * w1 + (K1 - 1 - qc1)) * w2 + (K2 - 1 - qc2)
     idx = row[:, None] + col[None, :]
-    return tl.minimum(tl.maximum(idx, 0), (2 * K0 - 1) * w1 * w2 - 1)
+    # one unsigned min clamps both ends (a negative index wraps to a large one): a single instruction per element
+    return tl.minimum(idx.to(tl.uint32, bitcast=True), ((2 * K0 - 1) * w1 * w2 - 1).to(tl.uint32))
 
 
 @triton.jit
