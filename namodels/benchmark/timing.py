@@ -1,23 +1,29 @@
 """Timing primitives: precision settings, step timing with CUDA events, batch-size decay on OOM.
 
-:func:`time_steps` is the project's one step timer (the throughput benchmark, the generator's
-:func:`~namodels.tasks.generate.images_per_second`): untimed warm-up, then each step timed with CUDA
-events on a GPU or ``perf_counter`` on a CPU, synchronised one at a time, garbage collector paused.
+The step timer itself (:class:`TimingSettings`, :func:`time_steps`, :func:`synchronize`,
+:func:`median_ms`) lives in :mod:`ops.timing` and is re-exported here, so the throughput benchmark, the
+generator's :func:`~namodels.tasks.generate.images_per_second` and ``ops.gemm.bench`` all time with one
+function: untimed warm-up, then each step timed with CUDA events on a GPU or ``perf_counter`` on a CPU,
+synchronised one at a time, garbage collector paused.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import logging
-import statistics
-import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from timm.utils import check_batch_size_retry, decay_batch_step
 
+from ops.timing import TimingSettings, median_ms, synchronize, time_steps
+
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "PRECISIONS", "TimingSettings", "autocast", "check_precision", "cuda_context_ok", "free_memory", "gpu_time_ms",
+    "is_oom", "median_ms", "peak_memory", "synchronize", "tf32_mode", "time_steps", "with_batch_decay",
+]
 
 # name -> (autocast dtype or None, TF32 matmuls/convs allowed)
 PRECISIONS: dict[str, tuple[torch.dtype | None, bool]] = {
@@ -94,82 +100,6 @@ def with_batch_decay(run: Callable[[int], dict], batch_size: int, *, min_batch_s
             batch_size = smaller
 
 
-@dataclass
-class TimingSettings:
-    """Warm-up steps (untimed; the first includes compilation), timed steps, and caps in seconds of
-    wall time on each (``min_iters`` timed steps always run, and every warm-up step up to the first
-    past ``warmup_cap_s``; ``warmup=0`` times from the first call, for a call too slow to repeat).
-
-    ``keep_gc``: leave Python's garbage collector on during the timed steps.  Off by default, as in
-    ``timeit``: a full collection in a long benchmark process (many models built and dropped) can
-    land inside a step and add milliseconds to whichever row happens to be timed then.
-    """
-
-    warmup: int = 3
-    iters: int = 20
-    min_iters: int = 1
-    cap_s: float = 10.0
-    warmup_cap_s: float = 30.0
-    keep_gc: bool = False
-
-    def __post_init__(self):
-        if int(self.warmup) < 0:
-            raise ValueError(f"warmup: must be >= 0, got {self.warmup}")
-        for name in ("iters", "min_iters"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.min_iters > self.iters:
-            raise ValueError(f"min_iters: must be <= iters ({self.iters}), got {self.min_iters}")
-        for name in ("cap_s", "warmup_cap_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(step: Callable[[], object], device: torch.device, settings: TimingSettings) -> list[float]:
-    """Milliseconds of each timed call of ``step`` (CUDA events on GPU, perf_counter on CPU), after
-    warm-up.  Each step is synchronised before the next starts, so the caps can be checked."""
-    started = time.perf_counter()
-    for _ in range(settings.warmup):
-        step()
-        synchronize(device)
-        if time.perf_counter() - started > settings.warmup_cap_s:
-            break
-    gc_was_enabled = gc.isenabled()
-    if not settings.keep_gc:
-        gc.collect()
-        gc.disable()
-    try:
-        return _timed_loop(step, device, settings)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-
-
-def _timed_loop(step, device, settings: TimingSettings) -> list[float]:
-    times: list[float] = []
-    started = time.perf_counter()
-    for i in range(settings.iters):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-        if i + 1 >= settings.min_iters and time.perf_counter() - started > settings.cap_s:
-            break
-    return times
-
-
 def gpu_time_ms(step: Callable[[], object], device: torch.device, steps: int = 3) -> float | None:
     """GPU time per call of ``step``: the summed durations of the kernels, copies and fills the CUDA
     profiler records over ``steps`` calls (kernels inside CUDA graphs included), divided by ``steps``.
@@ -187,10 +117,6 @@ def gpu_time_ms(step: Callable[[], object], device: torch.device, steps: int = 3
         synchronize(device)
     device_us = sum(e.self_device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
     return device_us / 1e3 / steps
-
-
-def median_ms(times: list[float]) -> float:
-    return float(statistics.median(times))
 
 
 @contextlib.contextmanager

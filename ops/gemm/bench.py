@@ -4,20 +4,22 @@
     python -m ops.gemm.bench cuda [--json out.json]   # nat-s1, dinat-s1, 2d-flux; bf16 / fp32; fwd, fwd+bwd
 
 CUDA times are medians of ``triton.testing.do_bench`` (CUDA events, after warm-up).  ``naive`` on
-2d-flux takes tens of seconds per call: it is timed once per case (the first call of a pure-PyTorch
-backend compiles nothing) and skipped when ``--naive-budget`` seconds have been spent on it.
-CPU times are medians of wall-clock runs, the two backends interleaved.
+2d-flux takes tens of seconds per call: it is timed once per case by :func:`ops.timing.time_steps`
+(the first call of a pure-PyTorch backend compiles nothing) and skipped when ``--naive-budget`` seconds
+have been spent on it.  CPU times are medians of single calls timed by :func:`ops.timing.time_steps`,
+the two backends alternating call by call, so that a drift of the machine's speed reaches both alike.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 import time
 
 import torch
 
 import ops
+from ops.timing import TimingSettings, median_ms, time_steps
 
 # name: (B, H, D, spatial, K, dilation)
 PROBLEMS = {
@@ -26,6 +28,12 @@ PROBLEMS = {
     "2d-flux": (1, 24, 128, (256, 256), (80, 80), 1),
 }
 CPU_PROBLEM = (8, 2, 32, (56, 56), (7, 7), 1)  # NAT-Mini stage 1 with batch 8
+_ONE_CALL = TimingSettings(warmup=0, iters=1)  # one timed call, no warm-up
+
+
+def _time_one_call(fn, device) -> float:
+    """Milliseconds of one call of ``fn`` on ``device`` (the shared step timer, no warm-up)."""
+    return time_steps(fn, device, _ONE_CALL)[0]
 
 
 def _inputs(problem, dtype, device, grad, seed=0):
@@ -52,10 +60,8 @@ def bench_cpu(repeats: int = 5):
         err = (_call(problem, "gemm", q, k, v) - ref).abs().max().item()
         for _ in range(repeats):
             for backend in times:
-                start = time.perf_counter()
-                _call(problem, backend, q, k, v)
-                times[backend].append(time.perf_counter() - start)
-    gemm, naive = (statistics.median(times[b]) * 1e3 for b in ("gemm", "naive"))
+                times[backend].append(_time_one_call(functools.partial(_call, problem, backend, q, k, v), "cpu"))
+    gemm, naive = (median_ms(times[b]) for b in ("gemm", "naive"))
     print(f"CPU {torch.get_num_threads()} threads, torch {torch.__version__}, B=8 56x56 H=2 D=32 K=7 float32 forward")
     print(f"max |gemm - naive| = {err:.2e}")
     print("| backend | forward ms (median of %d) |" % repeats)
@@ -69,13 +75,7 @@ def _time_cuda(fn, single: bool):
     from triton.testing import do_bench
 
     if single:
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(stop)
+        return _time_one_call(fn, "cuda")
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 

@@ -1,0 +1,113 @@
+"""Step timer shared by the project's benchmarks (torch only).
+
+:func:`time_steps` runs ``step`` untimed ``settings.warmup`` times, then times up to ``settings.iters``
+calls one at a time: CUDA events on a CUDA device, ``time.perf_counter`` elsewhere, each call
+synchronised before the next starts, Python's garbage collector paused.  Used by the model throughput
+benchmark (through :mod:`namodels.benchmark.timing`), the generator's images-per-second and
+``ops.gemm.bench``::
+
+    >>> import torch
+    >>> from ops.timing import TimingSettings, median_ms, time_steps
+    >>> times = time_steps(lambda: torch.ones(8).sum(), "cpu", TimingSettings(warmup=1, iters=3))
+    >>> len(times), median_ms(times) >= 0
+    (3, True)
+
+It times whole steps as they run in a workload, caches warm.  ``ops.bench`` times single kernels with
+``triton.testing.do_bench`` instead, which clears the L2 cache before every call so that a kernel does
+not read the previous call's inputs from L2.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["TimingSettings", "median_ms", "synchronize", "time_steps"]
+
+
+@dataclass
+class TimingSettings:
+    """Warm-up steps (untimed; the first includes compilation), timed steps, and caps in seconds of
+    wall time on each (``min_iters`` timed steps always run, and every warm-up step up to the first
+    past ``warmup_cap_s``; ``warmup=0`` times from the first call, for a call too slow to repeat).
+
+    ``keep_gc``: leave Python's garbage collector on during the timed steps.  Off by default, as in
+    ``timeit``: a full collection in a long benchmark process (many models built and dropped) can
+    land inside a step and add milliseconds to whichever row happens to be timed then.
+    """
+
+    warmup: int = 3
+    iters: int = 20
+    min_iters: int = 1
+    cap_s: float = 10.0
+    warmup_cap_s: float = 30.0
+    keep_gc: bool = False
+
+    def __post_init__(self):
+        if int(self.warmup) < 0:
+            raise ValueError(f"warmup: must be >= 0, got {self.warmup}")
+        for name in ("iters", "min_iters"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.min_iters > self.iters:
+            raise ValueError(f"min_iters: must be <= iters ({self.iters}), got {self.min_iters}")
+        for name in ("cap_s", "warmup_cap_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Waits for the queued work of a CUDA device; nothing on other devices."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Callable[[], object], device: torch.device | str, settings: TimingSettings) -> list[float]:
+    """Milliseconds of each timed call of ``step`` (CUDA events on GPU, perf_counter on CPU), after
+    warm-up.  Each step is synchronised before the next starts, so the caps can be checked."""
+    device = torch.device(device)
+    started = time.perf_counter()
+    for _ in range(settings.warmup):
+        step()
+        synchronize(device)
+        if time.perf_counter() - started > settings.warmup_cap_s:
+            break
+    gc_was_enabled = gc.isenabled()
+    if not settings.keep_gc:
+        gc.collect()
+        gc.disable()
+    try:
+        return _timed_loop(step, device, settings)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _timed_loop(step, device: torch.device, settings: TimingSettings) -> list[float]:
+    times: list[float] = []
+    started = time.perf_counter()
+    for i in range(settings.iters):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        if i + 1 >= settings.min_iters and time.perf_counter() - started > settings.cap_s:
+            break
+    return times
+
+
+def median_ms(times: list[float]) -> float:
+    """Median of :func:`time_steps`' milliseconds, as a float."""
+    return float(statistics.median(times))
