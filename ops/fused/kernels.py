@@ -427,10 +427,7 @@ def _attend_by_offset(Q, Kp, V, RPB, O, LSE, q_base, k_base, v_base, o_base, l_b
     """The forward of the program's query tile, ``SUB`` rows at a time, stored to O (and LSE): each row's online
     softmax over its own window, one gathered key and value per row and offset (a key outside a row's window is
     never loaded for it)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < VALUE_DIM
+    offs_d, offs_dv, d_ok, dv_ok = _head_dims(BLOCK_D, BLOCK_DV, HEAD_DIM, VALUE_DIM)
     for first in tl.range(0, T0 * T1 * T2, SUB, num_stages=1):
         q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, lo0, n0, lo1, n1, lo2, n2 = \
             _row_windows(first, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1,
@@ -469,10 +466,7 @@ def _dq_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DQ, q_base, k_base, v_base, do_
                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr):
     """dQ of the program's query tile, ``SUB`` rows at a time, stored to DQ: per row and window offset one gathered key
     and value (``_attend_by_offset``'s order)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < VALUE_DIM
+    offs_d, offs_dv, d_ok, dv_ok = _head_dims(BLOCK_D, BLOCK_DV, HEAD_DIM, VALUE_DIM)
     for first in tl.range(0, T0 * T1 * T2, SUB, num_stages=1):
         q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, lo0, n0, lo1, n1, lo2, n2 = \
             _row_windows(first, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1,
@@ -516,10 +510,7 @@ def _dkdv_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV, b, hk, GROUP, sqb, sq
                     BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr):
     """dK, dV of the program's key tile, ``SUB`` keys at a time, stored to DK / DV: per key, GQA head and offset
     (key - query, within ``(-K, K)`` on each axis) one gathered query, kept where the key lies in its window."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < VALUE_DIM
+    offs_d, offs_dv, d_ok, dv_ok = _head_dims(BLOCK_D, BLOCK_DV, HEAD_DIM, VALUE_DIM)
     for first in tl.range(0, U0 * U1 * U2, SUB, num_stages=1):
         c0, c1, c2 = _sub_rows(first, U0, U1, U2, SUB)
         kj0 = k0 + c0
@@ -563,6 +554,44 @@ def _dkdv_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV, b, hk, GROUP, sqb, sq
 
 # ---------------------------------------------------------------------------------------------
 # Forward
+@triton.jit
+def _program_group(NT0, NT1, NT2, D0, D1, D2, L0, L1, L2, HEADS, ACT0: tl.constexpr, ACT1: tl.constexpr):
+    """Every kernel's start: the dilation group and tile per axis this program owns (grid axis 0), its batch
+    element and head (grid axis 1 is ``b * HEADS + head``), and the group's length per axis."""
+    g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2, ACT0, ACT1)
+    bh = tl.program_id(1)
+    return (g0, tile0, g1, tile1, g2, tile2, bh // HEADS, bh % HEADS,
+            group_length(L0, D0, g0), group_length(L1, D1, g1), group_length(L2, D2, g2))
+
+
+@triton.jit
+def _query_tile(tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
+                CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr, T0: tl.constexpr,
+                T1: tl.constexpr, T2: tl.constexpr, IDX64: tl.constexpr):
+    """The rows of a query-tile program (forward, dQ): whether each exists, its token, its clamped coordinate and
+    window per axis; and per axis the keys the rows' windows reach, ``[lo, hi)``, with the part every row's window
+    holds, ``[in_lo, in_hi)``."""
+    r0, r1, r2 = _tile_coords(T0, T1, T2)
+    ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
+    ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
+    ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
+    q_ok = ok0 & ok1 & ok2
+    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+    lo0, hi0, in_lo0, in_hi0 = _axis_span(tile0 * T0, T0, Lg0, K0, S0, CAUSAL0)
+    lo1, hi1, in_lo1, in_hi1 = _axis_span(tile1 * T1, T1, Lg1, K1, S1, CAUSAL1)
+    lo2, hi2, in_lo2, in_hi2 = _axis_span(tile2 * T2, T2, Lg2, K2, S2, CAUSAL2)
+    return (q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2,
+            lo0, hi0, in_lo0, in_hi0, lo1, hi1, in_lo1, in_hi1, lo2, hi2, in_lo2, in_hi2)
+
+
+@triton.jit
+def _head_dims(BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM, VALUE_DIM):
+    """Column offsets of the q/k and v rows, and which of them are inside the head dims."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    return offs_d, offs_dv, offs_d < HEAD_DIM, offs_dv < VALUE_DIM
+
+
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def na_fwd_kernel(
@@ -580,29 +609,14 @@ def na_fwd_kernel(
 ):
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (see ``_kv_sources``), else unused.
     # GATHER_ROWS: rows per step of ``_attend_by_offset`` (programs whose result holds a NaN / inf; see the top).
-    g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2, ACT0, ACT1)
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
+    g0, tile0, g1, tile1, g2, tile2, b, h, Lg0, Lg1, Lg2 = _program_group(NT0, NT1, NT2, D0, D1, D2, L0, L1, L2, HQ,
+                                                                         ACT0, ACT1)
     hk = h // GROUP
-
-    Lg0 = group_length(L0, D0, g0)
-    Lg1 = group_length(L1, D1, g1)
-    Lg2 = group_length(L2, D2, g2)
-    r0, r1, r2 = _tile_coords(T0, T1, T2)
-    ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
-    ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
-    ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
-    q_ok = ok0 & ok1 & ok2
-    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-    lo0, hi0, in_lo0, in_hi0 = _axis_span(tile0 * T0, T0, Lg0, K0, S0, CAUSAL0)
-    lo1, hi1, in_lo1, in_hi1 = _axis_span(tile1 * T1, T1, Lg1, K1, S1, CAUSAL1)
-    lo2, hi2, in_lo2, in_hi2 = _axis_span(tile2 * T2, T2, Lg2, K2, S2, CAUSAL2)
-
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < VALUE_DIM
+    (q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2,
+     lo0, hi0, in_lo0, in_hi0, lo1, hi1, in_lo1, in_hi1, lo2, hi2, in_lo2, in_hi2) = _query_tile(
+        tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
+        CAUSAL0, CAUSAL1, CAUSAL2, T0, T1, T2, IDX64)
+    offs_d, offs_dv, d_ok, dv_ok = _head_dims(BLOCK_D, BLOCK_DV, HEAD_DIM, VALUE_DIM)
     q_base = b.to(tl.int64) * sqb + h * sqh
     q = tl.load(Q + q_base + q_tok[:, None] * sqt + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = b.to(tl.int64) * skb + hk * skh
@@ -729,29 +743,14 @@ def na_bwd_dq_kernel(
     # row-major position of the key in the query's window), from which the host sums the RPB gradient by offset
     # (``ops/fused/rpb_grad.py``); else DSW is unused.  ``DS_ATOMIC``: DSW is one [token, h, slot] buffer for the
     # whole batch (swb = 0) that every program adds into.
-    g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NT0, NT1, NT2, D0, D1, D2, ACT0, ACT1)
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
+    g0, tile0, g1, tile1, g2, tile2, b, h, Lg0, Lg1, Lg2 = _program_group(NT0, NT1, NT2, D0, D1, D2, L0, L1, L2, HQ,
+                                                                         ACT0, ACT1)
     hk = h // GROUP
-
-    Lg0 = group_length(L0, D0, g0)
-    Lg1 = group_length(L1, D1, g1)
-    Lg2 = group_length(L2, D2, g2)
-    r0, r1, r2 = _tile_coords(T0, T1, T2)
-    ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
-    ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
-    ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
-    q_ok = ok0 & ok1 & ok2
-    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-    lo0, hi0, in_lo0, in_hi0 = _axis_span(tile0 * T0, T0, Lg0, K0, S0, CAUSAL0)
-    lo1, hi1, in_lo1, in_hi1 = _axis_span(tile1 * T1, T1, Lg1, K1, S1, CAUSAL1)
-    lo2, hi2, in_lo2, in_hi2 = _axis_span(tile2 * T2, T2, Lg2, K2, S2, CAUSAL2)
-
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < VALUE_DIM
+    (q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2,
+     lo0, hi0, in_lo0, in_hi0, lo1, hi1, in_lo1, in_hi1, lo2, hi2, in_lo2, in_hi2) = _query_tile(
+        tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
+        CAUSAL0, CAUSAL1, CAUSAL2, T0, T1, T2, IDX64)
+    offs_d, offs_dv, d_ok, dv_ok = _head_dims(BLOCK_D, BLOCK_DV, HEAD_DIM, VALUE_DIM)
     q_base = b.to(tl.int64) * sqb + h * sqh
     q = tl.load(Q + q_base + q_tok[:, None] * sqt + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
     do_base = b.to(tl.int64) * sdb + h * sdh
@@ -828,14 +827,8 @@ def na_bwd_dkdv_kernel(
     # dK/dV have their own strides (k/v may be strided views).  GQA: the query heads of this kv head are
     # summed in the same loop.  ``HOST_DESC``: K/V (box U) and Q/dO (box T) descriptors built on the host over
     # ``[B, L0, L1, L2, heads * D]``, as the forward's (else the four are unused).
-    g0, tile0, g1, tile1, g2, tile2 = _decode_program(tl.program_id(0), NU0, NU1, NU2, D0, D1, D2, ACT0, ACT1)
-    bh = tl.program_id(1)
-    b = bh // HKV
-    hk = bh % HKV
-
-    Lg0 = group_length(L0, D0, g0)
-    Lg1 = group_length(L1, D1, g1)
-    Lg2 = group_length(L2, D2, g2)
+    g0, tile0, g1, tile1, g2, tile2, b, hk, Lg0, Lg1, Lg2 = _program_group(NU0, NU1, NU2, D0, D1, D2, L0, L1, L2,
+                                                                          HKV, ACT0, ACT1)
     c0, c1, c2 = _tile_coords(U0, U1, U2)
     k0 = tile0 * U0
     k1 = tile1 * U1
@@ -846,10 +839,7 @@ def na_bwd_dkdv_kernel(
     k_ok = (kj0 < Lg0) & (kj1 < Lg1) & (kj2 < Lg2)
     k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
 
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < VALUE_DIM
+    offs_d, offs_dv, d_ok, dv_ok = _head_dims(BLOCK_D, BLOCK_DV, HEAD_DIM, VALUE_DIM)
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     if QUERY_ROWS:  # k/v are B operands: TMA copies them into the shared memory the matmuls read them from
@@ -1008,10 +998,7 @@ def na_bwd_drpb_kernel(
     ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
     q_ok = ok0 & ok1 & ok2
     q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < VALUE_DIM
+    offs_d, offs_dv, d_ok, dv_ok = _head_dims(BLOCK_D, BLOCK_DV, HEAD_DIM, VALUE_DIM)
     q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + q_tok[:, None] * sqt + offs_d[None, :],
                 mask=q_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + q_tok[:, None] * sdt + offs_dv[None, :],
