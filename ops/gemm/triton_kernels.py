@@ -86,29 +86,85 @@ def _unflatten(f, len1, len2):
 
 
 @triton.jit
+def _coord_row(bi, n, c0, c1, c2, L1, L2, heads, h):
+    """``_token_row`` of the token at coordinates ``(c0, c1, c2)`` of an ``[L0, L1, L2]`` map."""
+    return _token_row(bi, n, (c0 * L1 + c1) * L2 + c2, heads, h)
+
+
+@triton.jit
+def _program_tile(heads, TPA1, TPA2):
+    """The program's batch element, head (of ``heads``) and tile index per axis, on a ``(tiles, B * heads)`` grid
+    whose tiles are numbered row-major over ``[TPA0, TPA1, TPA2]``."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    u2 = pid % TPA2
+    u1 = (pid // TPA2) % TPA1
+    u0 = pid // (TPA2 * TPA1)
+    return bh // heads, bh % heads, u0, u1, u2
+
+
+@triton.jit
+def _tile_rows(tab_ptr, TM, u0, u1, u2, r, T1: tl.constexpr, T2: tl.constexpr, DIL0, DIL1, DIL2):
+    """``_tile_axis`` on the three axes for the rows ``r`` (flat, row-major over ``[T0, T1, T2]``) of tile
+    ``(u0, u1, u2)``: whether each row exists, then per axis its coordinates, its group coordinates and the tile's
+    range origin, first group coordinate and length."""
+    ok0, c0, g0, o0, f0, n0 = _tile_axis(tab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
+    ok1, c1, g1, o1, f1, n1 = _tile_axis(tab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
+    ok2, c2, g2, o2, f2, n2 = _tile_axis(tab_ptr, TM, 2, u2, r % T2, DIL2)
+    return ok0 & ok1 & ok2, c0, c1, c2, g0, g1, g2, o0, o1, o2, f0, f1, f2, n0, n1, n2
+
+
+@triton.jit
+def _windows(wtab_ptr, WM, c0, c1, c2, ok):
+    """``_window`` on the three axes: window start and length per axis of the queries at ``(c0, c1, c2)``."""
+    ws0, wl0 = _window(wtab_ptr, WM, 0, c0, ok)
+    ws1, wl1 = _window(wtab_ptr, WM, 1, c1, ok)
+    ws2, wl2 = _window(wtab_ptr, WM, 2, c2, ok)
+    return ws0, wl0, ws1, wl1, ws2, wl2
+
+
+@triton.jit
+def _window_slots(kg0, kg1, kg2, ws0, wl0, ws1, wl1, ws2, wl2, K1, K2, RANK: tl.constexpr):
+    """Whether each key (group coordinates ``kg``) lies in each query's window (start ``ws``, length ``wl``), and its
+    slot there, row-major over ``[K0, K1, K2]``; the caller broadcasts keys against queries.  Axes past ``RANK`` are
+    padding (one key, one query) and are not compared."""
+    s2 = kg2 - ws2
+    ok = (s2 >= 0) & (s2 < wl2)
+    slot = s2
+    if RANK >= 2:
+        s1 = kg1 - ws1
+        ok = ok & (s1 >= 0) & (s1 < wl1)
+        slot = slot + s1 * K2
+    if RANK >= 3:
+        s0 = kg0 - ws0
+        ok = ok & (s0 >= 0) & (s0 < wl0)
+        slot = slot + s0 * (K1 * K2)
+    return ok, slot
+
+
+@triton.jit
+def _chunk(f_lo, total, len1, len2, BLOCK: tl.constexpr):
+    """Entries ``f_lo .. f_lo + BLOCK - 1`` of a flat ``[len0, len1, len2]`` range (a tile's halo or inverse
+    neighborhood): whether each lies in the range (``total`` entries), and its offsets per axis."""
+    f = f_lo + tl.arange(0, BLOCK)
+    f_ok = f < total
+    f0, f1, f2 = _unflatten(f, len1, len2)
+    return f_ok, f0, f1, f2
+
+
+@triton.jit
 def _pn_kernel(a_ptr, b_ptr, out_ptr, rpb_ptr, lg_ptr, lse_ptr, delta_ptr, qtab_ptr, wtab_ptr, TM, WM,
                N, HA, HB, D, W, scale, L1, L2, K0, K1, K2, R, DIL0, DIL1, DIL2, TPA1, TPA2,
                T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_D: tl.constexpr, RANK: tl.constexpr, HAS_RPB: tl.constexpr, DS_MODE: tl.constexpr,
                PREC: tl.constexpr, ACC: tl.constexpr):
     BLOCK_Q: tl.constexpr = T0 * T1 * T2
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    bi = bh // HA
-    h = bh % HA
+    bi, h, u0, u1, u2 = _program_tile(HA, TPA1, TPA2)
     hb = h // (HA // HB)
-    u2 = pid % TPA2
-    u1 = (pid // TPA2) % TPA1
-    u0 = pid // (TPA2 * TPA1)
-    r = tl.arange(0, BLOCK_Q)
-    ok0, qc0, qg0, ho0, hs0, hl0 = _tile_axis(qtab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
-    ok1, qc1, qg1, ho1, hs1, hl1 = _tile_axis(qtab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
-    ok2, qc2, qg2, ho2, hs2, hl2 = _tile_axis(qtab_ptr, TM, 2, u2, r % T2, DIL2)
-    q_ok = ok0 & ok1 & ok2
-    ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, q_ok)
-    ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, q_ok)
-    ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, q_ok)
-    row = _token_row(bi, N, (qc0 * L1 + qc1) * L2 + qc2, HA, h)  # [BLOCK_Q] (batch, query, head)
+    q_ok, qc0, qc1, qc2, qg0, qg1, qg2, ho0, ho1, ho2, hs0, hs1, hs2, hl0, hl1, hl2 = _tile_rows(
+        qtab_ptr, TM, u0, u1, u2, tl.arange(0, BLOCK_Q), T1, T2, DIL0, DIL1, DIL2)
+    ws0, wl0, ws1, wl1, ws2, wl2 = _windows(wtab_ptr, WM, qc0, qc1, qc2, q_ok)
+    row = _coord_row(bi, N, qc0, qc1, qc2, L1, L2, HA, h)  # [BLOCK_Q] (batch, query, head)
     d = tl.arange(0, BLOCK_D)
     q = tl.load(a_ptr + row[:, None] * D + d[None, :], mask=q_ok[:, None] & (d[None, :] < D), other=0.0)
     if DS_MODE:
@@ -116,24 +172,13 @@ def _pn_kernel(a_ptr, b_ptr, out_ptr, rpb_ptr, lg_ptr, lse_ptr, delta_ptr, qtab_
         delta = tl.load(delta_ptr + row, mask=q_ok, other=0.0)
     halo = hl0 * hl1 * hl2
     for f_lo in range(0, halo, BLOCK_K):
-        f = f_lo + tl.arange(0, BLOCK_K)
-        f_ok = f < halo
-        f0, f1, f2 = _unflatten(f, hl1, hl2)
-        key = _token_row(bi, N, ((ho0 + f0 * DIL0) * L1 + ho1 + f1 * DIL1) * L2 + ho2 + f2 * DIL2, HB, hb)
+        f_ok, f0, f1, f2 = _chunk(f_lo, halo, hl1, hl2, BLOCK_K)
+        key = _coord_row(bi, N, ho0 + f0 * DIL0, ho1 + f1 * DIL1, ho2 + f2 * DIL2, L1, L2, HB, hb)
         k = tl.load(b_ptr + key[None, :] * D + d[:, None], mask=f_ok[None, :] & (d[:, None] < D), other=0.0)
         s = tl.dot(q, k, input_precision=PREC) * scale  # [BLOCK_Q, BLOCK_K]: whole tile x halo chunk
         # Keep the admitted pairs: per axis, key's group coord minus the query's window start.
-        s2 = (hs2 + f2)[None, :] - ws2[:, None]
-        ok = (s2 >= 0) & (s2 < wl2[:, None])
-        slot = s2
-        if RANK >= 2:
-            s1 = (hs1 + f1)[None, :] - ws1[:, None]
-            ok = ok & (s1 >= 0) & (s1 < wl1[:, None])
-            slot = slot + s1 * K2
-        if RANK >= 3:
-            s0 = (hs0 + f0)[None, :] - ws0[:, None]
-            ok = ok & (s0 >= 0) & (s0 < wl0[:, None])
-            slot = slot + s0 * (K1 * K2)
+        ok, slot = _window_slots((hs0 + f0)[None, :], (hs1 + f1)[None, :], (hs2 + f2)[None, :], ws0[:, None],
+                                 wl0[:, None], ws1[:, None], wl1[:, None], ws2[:, None], wl2[:, None], K1, K2, RANK)
         ok = ok & q_ok[:, None] & f_ok[None, :]
         if HAS_RPB:
             # Bias index j' - i' + K - 1 per axis, row-major over the (2K - 1)-sized axes of rpb.
@@ -157,48 +202,27 @@ def _nn_kernel(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM,
                BLOCK_DV: tl.constexpr, RANK: tl.constexpr, LSE_MODE: tl.constexpr, PREC: tl.constexpr,
                ACC: tl.constexpr, GATHER_ROWS: tl.constexpr):
     BLOCK_Q: tl.constexpr = T0 * T1 * T2
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    bi = bh // HA
-    h = bh % HA
+    bi, h, u0, u1, u2 = _program_tile(HA, TPA1, TPA2)
     hb = h // (HA // HB)
-    u2 = pid % TPA2
-    u1 = (pid // TPA2) % TPA1
-    u0 = pid // (TPA2 * TPA1)
-    r = tl.arange(0, BLOCK_Q)
-    ok0, qc0, qg0, ho0, hs0, hl0 = _tile_axis(qtab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
-    ok1, qc1, qg1, ho1, hs1, hl1 = _tile_axis(qtab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
-    ok2, qc2, qg2, ho2, hs2, hl2 = _tile_axis(qtab_ptr, TM, 2, u2, r % T2, DIL2)
-    q_ok = ok0 & ok1 & ok2
-    ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, q_ok)
-    ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, q_ok)
-    ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, q_ok)
-    row = _token_row(bi, N, (qc0 * L1 + qc1) * L2 + qc2, HA, h)
+    q_ok, qc0, qc1, qc2, qg0, qg1, qg2, ho0, ho1, ho2, hs0, hs1, hs2, hl0, hl1, hl2 = _tile_rows(
+        qtab_ptr, TM, u0, u1, u2, tl.arange(0, BLOCK_Q), T1, T2, DIL0, DIL1, DIL2)
+    ws0, wl0, ws1, wl1, ws2, wl2 = _windows(wtab_ptr, WM, qc0, qc1, qc2, q_ok)
+    row = _coord_row(bi, N, qc0, qc1, qc2, L1, L2, HA, h)
     if LSE_MODE:
         lse = tl.load(lse_ptr + row, mask=q_ok, other=0.0)
     dv = tl.arange(0, BLOCK_DV)
     acc = tl.zeros([BLOCK_Q, BLOCK_DV], dtype=ACC)
     halo = hl0 * hl1 * hl2
     for f_lo in range(0, halo, BLOCK_K):
-        f = f_lo + tl.arange(0, BLOCK_K)
-        f_ok = f < halo
-        f0, f1, f2 = _unflatten(f, hl1, hl2)
-        s2 = (hs2 + f2)[None, :] - ws2[:, None]
-        ok = (s2 >= 0) & (s2 < wl2[:, None])
-        slot = s2
-        if RANK >= 2:
-            s1 = (hs1 + f1)[None, :] - ws1[:, None]
-            ok = ok & (s1 >= 0) & (s1 < wl1[:, None])
-            slot = slot + s1 * K2
-        if RANK >= 3:
-            s0 = (hs0 + f0)[None, :] - ws0[:, None]
-            ok = ok & (s0 >= 0) & (s0 < wl0[:, None])
-            slot = slot + s0 * (K1 * K2)
+        f_ok, f0, f1, f2 = _chunk(f_lo, halo, hl1, hl2, BLOCK_K)
+        ok, slot = _window_slots((hs0 + f0)[None, :], (hs1 + f1)[None, :], (hs2 + f2)[None, :], ws0[:, None],
+                                 wl0[:, None], ws1[:, None], wl1[:, None], ws2[:, None], wl2[:, None], K1, K2, RANK)
         ok = ok & q_ok[:, None] & f_ok[None, :]
         p = tl.load(w_ptr + row[:, None] * W + slot, mask=ok, other=0.0).to(ACC)
         if LSE_MODE:
             p = tl.where(ok, tl.exp(p - lse[:, None]), 0.0)
-        key = _token_row(bi, N, ((ho0 + f0 * DIL0) * L1 + ho1 + f1 * DIL1) * L2 + ho2 + f2 * DIL2, HB, hb)
+        # the key rows after the weights: computed before them, ptxas emits more instructions for this kernel
+        key = _coord_row(bi, N, ho0 + f0 * DIL0, ho1 + f1 * DIL1, ho2 + f2 * DIL2, L1, L2, HB, hb)
         v = tl.load(v_ptr + key[:, None] * DV + dv[None, :], mask=f_ok[:, None] & (dv[None, :] < DV), other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
     if _holds_nonfinite(acc):  # a NaN / inf value or weight reached the tile: its rows again, pair by pair (rare)
@@ -218,15 +242,10 @@ def _nn_by_slot(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM, u0, 
     row of that slot's key (empty slots skipped), stored to ``out``."""
     dv = tl.arange(0, BLOCK_DV)
     for first in tl.range(0, T0 * T1 * T2, SUB, num_stages=1):
-        r = first + tl.arange(0, SUB)
-        ok0, qc0, _, _, _, _ = _tile_axis(qtab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
-        ok1, qc1, _, _, _, _ = _tile_axis(qtab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
-        ok2, qc2, _, _, _, _ = _tile_axis(qtab_ptr, TM, 2, u2, r % T2, DIL2)
-        q_ok = ok0 & ok1 & ok2
-        ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, q_ok)
-        ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, q_ok)
-        ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, q_ok)
-        row = _token_row(bi, N, (qc0 * L1 + qc1) * L2 + qc2, HA, h)
+        q_ok, qc0, qc1, qc2, _, _, _, _, _, _, _, _, _, _, _, _ = _tile_rows(
+            qtab_ptr, TM, u0, u1, u2, first + tl.arange(0, SUB), T1, T2, DIL0, DIL1, DIL2)
+        ws0, wl0, ws1, wl1, ws2, wl2 = _windows(wtab_ptr, WM, qc0, qc1, qc2, q_ok)
+        row = _coord_row(bi, N, qc0, qc1, qc2, L1, L2, HA, h)
         if LSE_MODE:
             lse = tl.load(lse_ptr + row, mask=q_ok, other=0.0)
         acc = tl.zeros([SUB, BLOCK_DV], dtype=ACC)
@@ -238,7 +257,7 @@ def _nn_by_slot(w_ptr, v_ptr, out_ptr, lse_ptr, qtab_ptr, wtab_ptr, TM, WM, u0, 
             kc0 = (ws0 + s0) * DIL0 + qc0 % DIL0  # the slot's key, original coordinates
             kc1 = (ws1 + s1) * DIL1 + qc1 % DIL1
             kc2 = (ws2 + s2) * DIL2 + qc2 % DIL2
-            key = _token_row(bi, N, (kc0 * L1 + kc1) * L2 + kc2, HB, hb)
+            key = _coord_row(bi, N, kc0, kc1, kc2, L1, L2, HB, hb)
             p = tl.load(w_ptr + row * W + slot, mask=ok, other=0.0).to(ACC)
             if LSE_MODE:
                 p = tl.exp(p - lse)
@@ -255,48 +274,26 @@ def _in_kernel(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM,
                BLOCK_DX: tl.constexpr, RANK: tl.constexpr, LSE_MODE: tl.constexpr, PREC: tl.constexpr,
                ACC: tl.constexpr, GATHER_ROWS: tl.constexpr):
     BLOCK_KT: tl.constexpr = T0 * T1 * T2
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    bi = bh // HB
-    hb = bh % HB
+    bi, hb, u0, u1, u2 = _program_tile(HB, TPA1, TPA2)
     G = HA // HB
-    u2 = pid % TPA2
-    u1 = (pid // TPA2) % TPA1
-    u0 = pid // (TPA2 * TPA1)
-    r = tl.arange(0, BLOCK_KT)
-    ok0, kc0, kg0, ro0, rs0, rl0 = _tile_axis(ktab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
-    ok1, kc1, kg1, ro1, rs1, rl1 = _tile_axis(ktab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
-    ok2, kc2, kg2, ro2, rs2, rl2 = _tile_axis(ktab_ptr, TM, 2, u2, r % T2, DIL2)
-    k_ok = ok0 & ok1 & ok2
-    krow = _token_row(bi, N, (kc0 * L1 + kc1) * L2 + kc2, HB, hb)
+    k_ok, kc0, kc1, kc2, kg0, kg1, kg2, ro0, ro1, ro2, _, _, _, rl0, rl1, rl2 = _tile_rows(
+        ktab_ptr, TM, u0, u1, u2, tl.arange(0, BLOCK_KT), T1, T2, DIL0, DIL1, DIL2)
+    krow = _coord_row(bi, N, kc0, kc1, kc2, L1, L2, HB, hb)
     dx = tl.arange(0, BLOCK_DX)
     acc = tl.zeros([BLOCK_KT, BLOCK_DX], dtype=ACC)
     span = rl0 * rl1 * rl2
     for f_lo in range(0, span, BLOCK_Q):
-        f = f_lo + tl.arange(0, BLOCK_Q)
-        f_ok = f < span
-        f0, f1, f2 = _unflatten(f, rl1, rl2)
+        f_ok, f0, f1, f2 = _chunk(f_lo, span, rl1, rl2, BLOCK_Q)
         qc0 = tl.where(f_ok, ro0 + f0 * DIL0, 0)
         qc1 = tl.where(f_ok, ro1 + f1 * DIL1, 0)
         qc2 = tl.where(f_ok, ro2 + f2 * DIL2, 0)
-        ws0, wl0 = _window(wtab_ptr, WM, 0, qc0, f_ok)
-        ws1, wl1 = _window(wtab_ptr, WM, 1, qc1, f_ok)
-        ws2, wl2 = _window(wtab_ptr, WM, 2, qc2, f_ok)
+        ws0, wl0, ws1, wl1, ws2, wl2 = _windows(wtab_ptr, WM, qc0, qc1, qc2, f_ok)
         # Pairs (key of the tile, query of the chunk): the key's slot in the query's window.
-        s2 = kg2[:, None] - ws2[None, :]
-        ok = (s2 >= 0) & (s2 < wl2[None, :])
-        slot = s2
-        if RANK >= 2:
-            s1 = kg1[:, None] - ws1[None, :]
-            ok = ok & (s1 >= 0) & (s1 < wl1[None, :])
-            slot = slot + s1 * K2
-        if RANK >= 3:
-            s0 = kg0[:, None] - ws0[None, :]
-            ok = ok & (s0 >= 0) & (s0 < wl0[None, :])
-            slot = slot + s0 * (K1 * K2)
+        ok, slot = _window_slots(kg0[:, None], kg1[:, None], kg2[:, None], ws0[None, :], wl0[None, :], ws1[None, :],
+                                 wl1[None, :], ws2[None, :], wl2[None, :], K1, K2, RANK)
         ok = ok & k_ok[:, None] & f_ok[None, :]
         for gi in range(0, G):
-            qrow = _token_row(bi, N, (qc0 * L1 + qc1) * L2 + qc2, HA, hb * G + gi)
+            qrow = _coord_row(bi, N, qc0, qc1, qc2, L1, L2, HA, hb * G + gi)
             p = tl.load(w_ptr + qrow[None, :] * W + slot, mask=ok, other=0.0).to(ACC)
             if LSE_MODE:
                 lse = tl.load(lse_ptr + qrow, mask=f_ok, other=0.0)
@@ -322,12 +319,9 @@ def _in_by_query(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM, u0,
     G = HA // HB
     dx = tl.arange(0, BLOCK_DX)
     for first in tl.range(0, T0 * T1 * T2, SUB, num_stages=1):
-        r = first + tl.arange(0, SUB)
-        ok0, kc0, kg0, ro0, rs0, rl0 = _tile_axis(ktab_ptr, TM, 0, u0, r // (T1 * T2), DIL0)
-        ok1, kc1, kg1, ro1, rs1, rl1 = _tile_axis(ktab_ptr, TM, 1, u1, (r // T2) % T1, DIL1)
-        ok2, kc2, kg2, ro2, rs2, rl2 = _tile_axis(ktab_ptr, TM, 2, u2, r % T2, DIL2)
-        k_ok = ok0 & ok1 & ok2
-        krow = _token_row(bi, N, (kc0 * L1 + kc1) * L2 + kc2, HB, hb)
+        k_ok, kc0, kc1, kc2, kg0, kg1, kg2, ro0, ro1, ro2, _, _, _, rl0, rl1, rl2 = _tile_rows(
+            ktab_ptr, TM, u0, u1, u2, first + tl.arange(0, SUB), T1, T2, DIL0, DIL1, DIL2)
+        krow = _coord_row(bi, N, kc0, kc1, kc2, L1, L2, HB, hb)
         acc = tl.zeros([SUB, BLOCK_DX], dtype=ACC)
         for f in tl.range(0, rl0 * rl1 * rl2 * G, num_stages=1):  # the tile's queries, each query head in turn
             f0, f1, f2 = _unflatten(f // G, rl1, rl2)
@@ -341,7 +335,7 @@ def _in_by_query(w_ptr, x_ptr, out_ptr, lse_ptr, ktab_ptr, wtab_ptr, TM, WM, u0,
             s1 = kg1 - ws1
             s2 = kg2 - ws2
             ok = k_ok & (s0 >= 0) & (s0 < wl0) & (s1 >= 0) & (s1 < wl1) & (s2 >= 0) & (s2 < wl2)
-            qrow = _token_row(bi, N, (qc0 * L1 + qc1) * L2 + qc2, HA, hb * G + f % G)
+            qrow = _coord_row(bi, N, qc0, qc1, qc2, L1, L2, HA, hb * G + f % G)
             p = tl.load(w_ptr + qrow * W + (s0 * K1 + s1) * K2 + s2, mask=ok, other=0.0).to(ACC)
             if LSE_MODE:
                 p = tl.exp(p - tl.load(lse_ptr + qrow))
@@ -439,37 +433,37 @@ def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtyp
     return out
 
 
-def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
-    """See ``torch_tiled.nn`` (same contract)."""
+def _weighted_rows(kernel, w, x, params: NAParams, out_heads: int, scale, lse, out_dtype, *, per_key_tile: bool):
+    """Launches NN (one program per query tile, ``x`` the values, ``out`` per query head) or IN
+    (``per_key_tile``: one program per key tile, ``x`` the query-side rows, ``out`` per kv head): the
+    ``w``-weighted sums of ``x``'s rows, ``[B, N, out_heads, x's dim]``."""
     B, N, HA, W = w.shape
-    HB, DV = b.shape[2], b.shape[3]
-    w, b = w.contiguous(), b.contiguous()
-    p3, tables, common = _setup(params, b.device)
-    out = torch.empty(B, N, HA, DV, dtype=out_dtype or b.dtype, device=b.device)
-    args = [w, b, out, lse.contiguous() if lse is not None else w, tables.query_tiles, tables.windows,
-            tables.query_tiles.shape[2], tables.windows.shape[2], N, HA, HB, DV, W, float(scale)]
+    DX = x.shape[3]
+    heads_kv = out_heads if per_key_tile else x.shape[2]
+    w, x = w.contiguous(), x.contiguous()
+    _, tables, common = _setup(params, x.device)
+    if per_key_tile:
+        tiles, num_tiles, per_axis = tables.key_tiles, tables.num_key_tiles, tables.key_tiles_per_axis
+    else:
+        tiles, num_tiles, per_axis = tables.query_tiles, tables.num_query_tiles, tables.tiles_per_axis
+    out = torch.empty(B, N, out_heads, DX, dtype=out_dtype or x.dtype, device=x.device)
+    args = [w, x, out, lse.contiguous() if lse is not None else w, tiles, tables.windows,
+            tiles.shape[2], tables.windows.shape[2], N, HA, heads_kv, DX, W, float(scale)]
+    block = _block(DX)
+    blocks = dict(BLOCK_Q=BLOCK_CHUNK, BLOCK_DX=block) if per_key_tile else dict(BLOCK_K=BLOCK_CHUNK, BLOCK_DV=block)
     _launch_in_batch_chunks(
-        _nn_kernel, tables.num_query_tiles, HA, args, (0, 1, 2, 3),
-        TPA1=tables.tiles_per_axis[1], TPA2=tables.tiles_per_axis[2], BLOCK_K=BLOCK_CHUNK,
-        BLOCK_DV=_block(DV), LSE_MODE=lse is not None, PREC=_precision(b.dtype), ACC=_acc(b.dtype),
-        GATHER_ROWS=_gather_rows(_block(DV)), num_stages=_stages(_block(DV), b.dtype), **common,
+        kernel, num_tiles, out_heads, args, (0, 1, 2, 3), TPA1=per_axis[1], TPA2=per_axis[2],
+        LSE_MODE=lse is not None, PREC=_precision(x.dtype), ACC=_acc(x.dtype), GATHER_ROWS=_gather_rows(block),
+        num_stages=_stages(block, x.dtype), **blocks, **common,
     )
     return out
+
+
+def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
+    """See ``torch_tiled.nn`` (same contract)."""
+    return _weighted_rows(_nn_kernel, w, b, params, w.shape[2], scale, lse, out_dtype, per_key_tile=False)
 
 
 def inn(w, x, params: NAParams, heads_kv: int, scale=1.0, lse=None, out_dtype=None):
     """See ``torch_tiled.inn`` (same contract)."""
-    B, N, HA, W = w.shape
-    DX = x.shape[3]
-    w, x = w.contiguous(), x.contiguous()
-    p3, tables, common = _setup(params, x.device)
-    out = torch.empty(B, N, heads_kv, DX, dtype=out_dtype or x.dtype, device=x.device)
-    args = [w, x, out, lse.contiguous() if lse is not None else w, tables.key_tiles, tables.windows,
-            tables.key_tiles.shape[2], tables.windows.shape[2], N, HA, heads_kv, DX, W, float(scale)]
-    _launch_in_batch_chunks(
-        _in_kernel, tables.num_key_tiles, heads_kv, args, (0, 1, 2, 3),
-        TPA1=tables.key_tiles_per_axis[1], TPA2=tables.key_tiles_per_axis[2], BLOCK_Q=BLOCK_CHUNK,
-        BLOCK_DX=_block(DX), LSE_MODE=lse is not None, PREC=_precision(x.dtype), ACC=_acc(x.dtype),
-        GATHER_ROWS=_gather_rows(_block(DX)), num_stages=_stages(_block(DX), x.dtype), **common,
-    )
-    return out
+    return _weighted_rows(_in_kernel, w, x, params, heads_kv, scale, lse, out_dtype, per_key_tile=True)
