@@ -37,6 +37,7 @@ from ..data.datamodule import epoch_seed
 from ..data.decoding import UnreadableFiles
 from ..speed import compile_mode, optimizer_kwargs
 from ..utils.checks import check_choice, check_range
+from ..utils.distributed import SYNCED
 from .models import create_model, export_weights
 from .options import merged_options, plain
 
@@ -119,6 +120,8 @@ class ClassificationModule(pl.LightningModule):
         else:
             self.train_loss = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.eval_loss = nn.CrossEntropyLoss()
+        # train/loss_epoch: the epoch's mean over every process (torchmetrics), synchronised once per epoch
+        self.train_loss_mean = MeanMetric()
         top5 = min(5, int(num_classes))
         self.val_metrics = nn.ModuleDict({
             prefix: MetricCollection({
@@ -189,7 +192,8 @@ class ClassificationModule(pl.LightningModule):
         if self.mixup_fn is not None:
             images, targets = self._mix(images, targets)
         loss = self.train_loss(self(images), targets)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
+        self.train_loss_mean.update(loss.detach(), weight=images.shape[0])
+        self.log("train/loss_step", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=images.shape[0])
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
@@ -223,9 +227,12 @@ class ClassificationModule(pl.LightningModule):
     def _log_unreadable(self, split: str) -> None:
         """``<split>/skipped_images``: how many distinct files of the split were unreadable so far."""
         self.unreadable.merge_across_processes()
-        self.log(f"{split}/skipped_images", float(self.unreadable.count(split)), batch_size=1)
+        self.log(f"{split}/skipped_images", float(self.unreadable.count(split)), batch_size=1, **SYNCED)
 
     def on_train_epoch_end(self) -> None:
+        if self.trainer.num_training_batches:  # the same on every process, so all compute (a collective) and log
+            self.log("train/loss_epoch", self.train_loss_mean.compute(), **SYNCED)
+        self.train_loss_mean.reset()
         self._log_unreadable("train")
 
     # ---- validation ----------------------------------------------------------------------------
@@ -252,9 +259,9 @@ class ClassificationModule(pl.LightningModule):
         for prefix, metrics in self.val_metrics.items():
             values = metrics.compute()  # synchronised across processes by torchmetrics
             metrics.reset()
-            self.log(f"{prefix}/top1", values["top1"] * 100, prog_bar=prefix == "val")
-            self.log(f"{prefix}/top5", values["top5"] * 100)
-            self.log(f"{prefix}/loss", values["loss"])
+            self.log(f"{prefix}/top1", values["top1"] * 100, prog_bar=prefix == "val", **SYNCED)
+            self.log(f"{prefix}/top5", values["top5"] * 100, **SYNCED)
+            self.log(f"{prefix}/loss", values["loss"], **SYNCED)
 
     @torch.no_grad()
     def sample_figures(self, batch, outputs=None, max_images: int = 16) -> dict:

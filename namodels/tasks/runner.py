@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoints import AtomicCheckpointIO, load_checkpoint_file
+from .console import drop_lightning_tips
 from .models import check_input_size
 from .run_dirs import assign_run_folder
 
@@ -108,7 +109,9 @@ def resolve_ckpt_path(ckpt_path, callbacks) -> str | None:
 
 
 def route_lightning_logs() -> None:
-    """Under Hydra (root logger configured) Lightning's own console handler would print every line twice."""
+    """Lightning's advertisement tips are dropped; under Hydra (root logger configured) Lightning's own console
+    handler would print every line twice."""
+    drop_lightning_tips()
     if not logging.getLogger().handlers:
         return
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):

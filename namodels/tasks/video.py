@@ -32,6 +32,7 @@ import ops
 from ..data.video import check_data_config
 from ..speed import optimizer_kwargs
 from ..utils.checks import check_choice, check_range
+from ..utils.distributed import SYNCED
 from .options import merged_options, plain
 from .models import create_model, export_weights
 
@@ -90,6 +91,8 @@ class VideoTask(pl.LightningModule):
         if not hasattr(self.model, "init_stream"):
             raise ValueError(f"model.name: {model_cfg.get('name')!r} is not a streaming video model (video_nat_*)")
         self.num_classes = num_classes
+        # train/loss_epoch: the epoch's mean over every process (torchmetrics), synchronised once per epoch
+        self.train_loss_mean = MeanMetric()
         if objective == "next_frame":
             self.val_metrics = torch.nn.ModuleDict({
                 "mse": MeanSquaredError(), "copy_mse": MeanSquaredError(),
@@ -128,8 +131,14 @@ class VideoTask(pl.LightningModule):
             with self._backend():
                 logits = self.model.classify(clips)
             loss = F.cross_entropy(logits.float(), labels)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=clips.shape[0])
+        self.train_loss_mean.update(loss.detach(), weight=clips.shape[0])
+        self.log("train/loss_step", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=clips.shape[0])
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.trainer.num_training_batches:  # the same on every process, so all compute (a collective) and log
+            self.log("train/loss_epoch", self.train_loss_mean.compute(), **SYNCED)
+        self.train_loss_mean.reset()
 
     # ---- validation --------------------------------------------------------------------------------
     def validation_step(self, batch, batch_idx):
@@ -168,12 +177,12 @@ class VideoTask(pl.LightningModule):
             values[name] = metric.compute()
             metric.reset()
         if self.hparams.objective == "classification":
-            self.log("val/top1", values["top1"] * 100, prog_bar=True)
-            self.log("val/loss", values["loss"])
+            self.log("val/top1", values["top1"] * 100, prog_bar=True, **SYNCED)
+            self.log("val/loss", values["loss"], **SYNCED)
             return
         values["mse_ratio"] = values["mse"] / values["copy_mse"].clamp_min(1e-12)
         for name, value in values.items():
-            self.log(f"val/{name}", value, prog_bar=name in ("mse", "mse_ratio"))
+            self.log(f"val/{name}", value, prog_bar=name in ("mse", "mse_ratio"), **SYNCED)
 
     @torch.no_grad()
     def sample_figures(self, batch, outputs=None, max_clips: int = 4) -> dict:

@@ -1,9 +1,15 @@
-"""Strategy factories that need Python objects a YAML file cannot spell (classes, policies)."""
+"""Strategy factories that need Python objects a YAML file cannot spell (classes, policies), and how tasks log
+values that are already the same on every process."""
 from __future__ import annotations
 
 import importlib
 
 from lightning.pytorch.strategies import FSDPStrategy
+
+# ``self.log(name, value, **SYNCED)`` for a value every process already holds (torchmetrics' compute, counts
+# merged across processes): Lightning would otherwise warn under DDP that it is not synchronised; the max of
+# equal values keeps it exact.  The reduction runs once, when Lightning collects the epoch's metrics.
+SYNCED = dict(sync_dist=True, reduce_fx="max")
 
 
 def _import(path: str):

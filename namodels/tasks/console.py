@@ -1,0 +1,87 @@
+"""What a run prints: Lightning's console without its advertisements, empty FLOP counts and negative epoch
+totals, so the lines that matter (data, learning rate, metrics, the run folder) stand out.
+
+* :func:`drop_lightning_tips`: a logging filter for Lightning's "💡 Tip: ... litlogger / litmodels" lines;
+* :class:`ModelSummary`: ``RichModelSummary`` without the FLOPs column and total when nothing was counted
+  (Lightning counts FLOPs only for a module with an ``example_input_array``, and prints 0 otherwise);
+* :class:`ProgressBar`: ``RichProgressBar`` that shows "Epoch N" on step-bounded runs (``max_epochs=-1``), where
+  Lightning's "Epoch N/max_epochs - 1" reads "Epoch 0/-2".
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
+
+# Loggers behind Lightning's rank_zero_info, which prints the tips.
+LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+ADVERTISEMENTS = ("💡 Tip:", "litlogger", "litmodels")
+
+
+class _DropAdvertisements(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(marker in message for marker in ADVERTISEMENTS)
+
+
+def drop_lightning_tips() -> None:
+    """Installs the filter once per logger; other Lightning messages pass unchanged."""
+    for name in LIGHTNING_INFO_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropAdvertisements) for f in logger.filters):
+            logger.addFilter(_DropAdvertisements())
+
+
+class ModelSummary(RichModelSummary):
+    """``RichModelSummary`` (same arguments); FLOPs are shown only when Lightning counted some."""
+
+    @staticmethod
+    def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
+                  model_size: float, total_training_modes: dict[str, int], total_flops: int = 0,
+                  **summarize_kwargs: Any) -> None:
+        if total_flops:
+            RichModelSummary.summarize(summary_data, total_parameters, trainable_parameters, model_size,
+                                       total_training_modes, total_flops, **summarize_kwargs)
+            return
+        from lightning.pytorch.utilities.model_summary.model_summary import (get_formatted_model_size,
+                                                                             get_human_readable_count)
+        from rich import get_console
+        from rich.table import Table
+
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
+        for name, _ in columns:
+            right = name in ("Params", "Params per Device", "In sizes", "Out sizes")
+            table.add_column(name, justify="right" if right else "left", style="dim" if name == " " else None,
+                             no_wrap=name == "Name")
+        for row in zip(*(values for _, values in columns)):
+            table.add_row(*row)
+        console = get_console()
+        console.print(table)
+        totals = Table.grid(expand=True)
+        totals.add_column()
+        for label, value in (
+            ("Trainable params", get_human_readable_count(int(trainable_parameters))),
+            ("Non-trainable params", get_human_readable_count(int(total_parameters - trainable_parameters))),
+            ("Total params", get_human_readable_count(int(total_parameters))),
+            ("Total estimated model params size (MB)", get_formatted_model_size(model_size)),
+            ("Modules in train mode", total_training_modes["train"]),
+            ("Modules in eval mode", total_training_modes["eval"]),
+        ):
+            totals.add_row(f"[bold]{label}[/]: {value}")
+        console.print(totals)
+
+
+class ProgressBar(RichProgressBar):
+    """``RichProgressBar`` (same arguments) whose description leaves out the epoch total when the run is bounded
+    by steps or time instead of epochs."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs > 0:
+            return super()._get_train_description(current_epoch)
+        description = f"Epoch {current_epoch}"
+        if len(self.validation_description) > len(description):  # equal widths keep the bars from jumping
+            description = f"{description:{len(self.validation_description)}}"
+        return description

@@ -1,0 +1,83 @@
+"""What the console shows: no Lightning advertisements, no empty FLOP counts, no "Epoch 0/-2", no false sync_dist
+warnings, no runpy warning for ``python -m namodels.benchmark.throughput``; the run folder and metrics stay."""
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+from namodels.tasks.console import ModelSummary, ProgressBar, drop_lightning_tips
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_lightning_tips_are_dropped_and_other_messages_kept(caplog):
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    drop_lightning_tips()
+    drop_lightning_tips()  # idempotent
+    with caplog.at_level(logging.INFO):
+        rank_zero_info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
+        rank_zero_info("💡 Tip: For seamless cloud uploads and versioning, try installing [litmodels]")
+        rank_zero_info("GPU available: False, used: False")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["GPU available: False, used: False"]
+
+
+SUMMARY = [(" ", ["0"]), ("Name", ["model"]), ("Type", ["TinyNAT"]), ("Params", ["108 K"]), ("Mode", ["train"]),
+           ("FLOPs", ["0"])]
+
+
+@pytest.mark.parametrize("flops, shown", [(0, False), (123456, True)])
+def test_model_summary_shows_flops_only_when_counted(capsys, flops, shown):
+    ModelSummary.summarize(SUMMARY, 108_000, 108_000, 0.436, {"train": 89, "eval": 0}, total_flops=flops)
+    out = capsys.readouterr().out
+    assert "TinyNAT" in out and "Total params" in out and "108 K" in out
+    assert ("FLOPs" in out) is shown
+
+
+@pytest.mark.parametrize("max_epochs, expected", [(15, "Epoch 3/14"), (-1, "Epoch 3"), (None, "Epoch 3")])
+def test_progress_bar_description_has_no_negative_total(max_epochs, expected):
+    bar = ProgressBar()
+    bar._trainer = types.SimpleNamespace(max_epochs=max_epochs)
+    assert bar._get_train_description(3).strip() == expected
+
+
+@pytest.mark.parametrize("experiment", ["digits", "video_moving_digits"])
+def test_ddp_epoch_metrics_raise_no_sync_dist_warning(tmp_path, experiment):
+    """Two CPU processes (DDP, gloo): Lightning warns about every epoch-level value logged without sync_dist;
+    the tasks' epoch values are synchronised (torchmetrics, merged counts) and declared so."""
+    cmd = [sys.executable, "train.py", f"experiment={experiment}", "trainer=ddp_cpu", "trainer.fast_dev_run=true",
+           "threads=1", "logger=csv", "callbacks.progress_bar=null", "callbacks.model_summary=null", "export=false",
+           f"paths.root_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-3000:]
+    assert "sync_dist" not in console, [line for line in console.splitlines() if "sync_dist" in line]
+
+
+def test_train_console_is_quiet_and_keeps_what_matters(tmp_path):
+    """A short train.py with the default callbacks (progress bar, model summary) and loggers."""
+    cmd = [sys.executable, "train.py", "threads=1", f"paths.root_dir={tmp_path}", "trainer.max_epochs=2",
+           "trainer.limit_train_batches=3", "trainer.limit_val_batches=2", "data.batch_size=16",
+           "task.module.scheduler.warmup_epochs=0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-3000:]
+    for noise in ("💡", "litlogger", "litmodels", "Total FLOPs", "FLOPs", "/-2", "sync_dist"):
+        assert noise not in console, noise
+    run_folder = os.path.join(str(tmp_path), "logs", "classification", "nat_digits-digits", "version_0")
+    for kept in (f"output: {run_folder}", "Trainable params", "Epoch 1/1", "final val/top1",
+                 "best val/top1", f"last checkpoint: {run_folder}"):
+        assert kept in console, kept
+
+
+def test_benchmark_module_runs_without_runpy_warning():
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "namodels.benchmark.throughput",
+                           "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "RuntimeWarning" not in proc.stderr, proc.stderr[-2000:]
+    import namodels.benchmark as bench
+
+    assert callable(bench.measure_throughput) and bench.TimingSettings is not None  # lazy names still resolve
