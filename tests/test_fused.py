@@ -309,6 +309,22 @@ def test_drpb_reproducible_when_deterministic():
     assert _dq_ds_modes() == {(True, False), (True, True)}
 
 
+def test_drpb_after_candidate_runs(monkeypatch):
+    """The tuner runs dQ once per candidate before the chosen launch: with dS added by atomics, each run must start
+    from a zeroed buffer, or dRPB sums every run (checked against the oracle)."""
+    real_pick = autotune.pick
+
+    def pick_after_trials(kernel, q, k, v, params, has_rpb, run, *args, **kwargs):
+        chosen = real_pick(kernel, q, k, v, params, has_rpb, run, *args, **kwargs)
+        if run is not None:
+            for _ in range(2):  # what timing candidates does
+                run(chosen)
+        return chosen
+
+    monkeypatch.setattr(autotune, "pick", pick_after_trials)
+    _run(_fixed((6, 7), (3, 5), rpb=True, heads=2, batch=2), torch.float32, grads=True)
+
+
 def test_frozen_rpb_after_trained_rpb_keeps_inputs():
     """A dQ plan built with the dS store must not serve a call without it (frozen RPB): the dS buffer argument is
     then a stand-in, which the kernel would overwrite."""
@@ -794,9 +810,10 @@ def test_gpu_tma_loads(dtype, seed):
         p = random_problem(rng, rank=rank, max_tokens=600, max_dim=128)
         p.dim, p.dim_v = max(p.dim, 8) // 8 * 8, max(p.dim_v, 8) // 8 * 8  # 16-byte token strides
         cfg = Config(64, 64, 4, 3, True) if rank != 2 else Config(128, 32, 8, 2, True)
-        if dtype == torch.float32:  # tiles that fit shared memory at head dim 128 in float32
-            cfg = Config(32, 32, 4, 2, True)
-        with autotune.forced(fwd=cfg, dq=Config(64, 64, 4, 2, True), dkdv=Config(64, 32, 4, 2, True)):
+        dq_cfg = Config(64, 64, 4, 2, True)
+        if dtype == torch.float32:  # tiles that fit shared memory at head dim 128 in float32 (dQ's atomic dS
+            cfg = dq_cfg = Config(32, 32, 4, 2, True)  # adds stage their tile through shared memory too)
+        with autotune.forced(fwd=cfg, dq=dq_cfg, dkdv=Config(64, 32, 4, 2, True)):
             _run(p, dtype, grads=True, seed=seed)
         _assert_tma_used(dtype != torch.float32)
 

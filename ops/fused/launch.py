@@ -512,6 +512,8 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
 
     def run_dq(launch, plan=None):
         programs, scalars, meta, layouts = plan or dq_plan(launch)
+        if ds_atomic and ds_window is not None:  # the tuner runs dQ once per candidate: each adds from zero
+            ds_window.zero_()
         tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dq, *descriptor_args(q4, layouts, (k4, v4)),
                    q4 if ds_window is None else ds_window)
         _launch_chunks(kernels.na_bwd_dq_kernel, programs, hq, b, tensors, scalars, meta)
