@@ -79,3 +79,20 @@ def test_bare_cpu_throughput_run_finishes_in_minutes(tmp_path):
     assert {(r["model"], r["backend"]) for r in rows} == {("nat_mini", "gemm"), ("nat_mini", "sdpa"),
                                                           ("dinat_mini", "gemm")}
     assert os.path.isfile(os.path.join(cfg.paths.output_dir, "throughput.csv"))
+
+
+def test_cli_on_cpu_defaults_to_the_quick_rows(monkeypatch, tmp_path):
+    """``python -m namodels.benchmark.throughput`` with no models on a CPU measures what ``eval.py task=throughput``
+    does there (a couple of minutes), not the hour-long GPU list; the two defaults are one list."""
+    from omegaconf import OmegaConf
+
+    from namodels.benchmark import throughput
+
+    seen = {}
+    monkeypatch.setattr(throughput, "run_benchmarks", lambda options, out_dir, **kw: seen.update(options=options) or [])
+    throughput.main(["--device", "cpu", "--out", str(tmp_path), "--no-progress"])
+    options = seen["options"]
+    assert (options.models, options.backends, options.batch_size) == (
+        throughput.CPU_DEFAULTS["models"], throughput.CPU_DEFAULTS["backends"], throughput.CPU_DEFAULTS["batch_size"])
+    task = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "configs", "task", "throughput.yaml"))
+    assert OmegaConf.to_container(task.device_defaults.cpu) == throughput.CPU_DEFAULTS

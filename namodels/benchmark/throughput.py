@@ -56,6 +56,9 @@ NO_BACKEND = report.NO_BACKEND
 GROUP_SEPARATOR = "/"
 DEFAULT_MODELS = ["nat_mini", "dinat_mini", "nat_tiny", "swin_tiny_patch4_window7_224", "convnext_tiny",
                   GROUP_SEPARATOR, "dinat_tiny", "nat_small", "dinat_small", "nat_base", "dinat_base", "dinat_large"]
+# A run on a CPU with no models named measures these (a couple of minutes; the list above would take about an
+# hour there); ``configs/task/throughput.yaml``'s ``device_defaults.cpu`` says the same for ``eval.py``.
+CPU_DEFAULTS = {"models": ["nat_mini", "dinat_mini"], "backends": ["gemm", DENSE], "batch_size": 2}
 _RESTARTS_ENV, _DEADLINE_ENV = "NAMODELS_BENCH_RESTARTS", "NAMODELS_BENCH_DEADLINE"
 MAX_RESTARTS = 8
 
@@ -595,9 +598,10 @@ def _row_line(row: dict) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m namodels.benchmark.throughput",
                                 description="Model throughput per neighborhood-attention backend.")
-    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS,
+    p.add_argument("--models", nargs="+", default=None,
                    help="timm names (NAT/DiNAT/DiNAT_s/baselines), stylenat_<size>, video_nat_*; '/' starts a "
-                        "new priority group")
+                        "new priority group (default: the GPU list on CUDA; on a CPU nat_mini and dinat_mini, gemm "
+                        "against sdpa, batch 2)")
     p.add_argument("--backends", nargs="+", default=None,
                    help="ops backends and/or 'sdpa' (default: naive gemm fused flex sdpa on CUDA, without fused "
                         "on CPU)")
@@ -665,6 +669,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = _resolve_device(args.device)
+    if args.models is None:
+        quick = CPU_DEFAULTS if device.type == "cpu" else {"models": DEFAULT_MODELS}
+        args.models = list(quick["models"])
+        args.backends = args.backends or quick.get("backends")
+        args.batch = args.batch or quick.get("batch_size")
+        log.info("models: %s (the %s default; --models names others)", " ".join(args.models), device.type)
     options = options_from_args(args, device)
     # a restarted process (see restart) inherits the deadline and the restart count of the first one
     deadline_at = float(os.environ.pop(_DEADLINE_ENV, 0) or 0) or (
