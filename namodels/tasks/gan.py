@@ -39,6 +39,7 @@ from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
 from namodels.data.decoding import UnreadableFiles
+from namodels.utils.distributed import SYNCED
 from namodels.tasks.generators import (DISPLAY_TILE, build_discriminator, build_generator, grid_image, load_generator,
                                        write_image)
 
@@ -285,7 +286,7 @@ class GANTask(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         self.unreadable.merge_across_processes()
-        self.log("train/skipped_images", float(self.unreadable.count("train")), batch_size=1)
+        self.log("train/skipped_images", float(self.unreadable.count("train")), batch_size=1, **SYNCED)
 
     def training_step(self, batch, batch_idx):
         real = batch[0] if isinstance(batch, (list, tuple)) else batch
