@@ -68,7 +68,7 @@ def build_metrics(feature_extractor: nn.Module | None = None, inception_weights:
             import torch_fidelity  # noqa: F401
         except ImportError as err:
             raise ValueError("inception_weights: the Inception feature extractor needs torch-fidelity "
-                             "(pip install torch-fidelity)") from err
+                             "(pip install -e '.[fid]', or pip install torch-fidelity)") from err
         fid = FrechetInceptionDistance(feature=2048, normalize=True, reset_real_features=False,
                                        feature_extractor_weights_path=weights)
         feature = _Uint8Input(fid.inception)  # KID sees a "custom" module: feed it what Inception expects
