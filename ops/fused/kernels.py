@@ -376,6 +376,19 @@ def _sub_rows(first, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, SUB: 
 
 
 @triton.jit
+def _query_rows(first0, first1, first2, r0, r1, r2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2,
+                D0, D1, D2, CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr, IDX64: tl.constexpr):
+    """Query rows at ``first + r`` per axis (group coordinates): whether each exists, its token, and its clamped
+    coordinate and window per axis."""
+    ok0, qc0, start0, stop0 = _axis_rows(first0, r0, Lg0, K0, S0, CAUSAL0)
+    ok1, qc1, start1, stop1 = _axis_rows(first1, r1, Lg1, K1, S1, CAUSAL1)
+    ok2, qc2, start2, stop2 = _axis_rows(first2, r2, Lg2, K2, S2, CAUSAL2)
+    q_ok = ok0 & ok1 & ok2
+    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+    return q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2
+
+
+@triton.jit
 def _row_windows(first, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
                  CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr, T0: tl.constexpr,
                  T1: tl.constexpr, T2: tl.constexpr, SUB: tl.constexpr, IDX64: tl.constexpr):
@@ -383,11 +396,9 @@ def _row_windows(first, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, 
     exists, its token, its clamped coordinate and window per axis, and the key - query offsets ``[lo, lo + n)`` per
     axis that the rows' windows span."""
     r0, r1, r2 = _sub_rows(first, T0, T1, T2, SUB)
-    ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
-    ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
-    ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
-    q_ok = ok0 & ok1 & ok2
-    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+    q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2 = _query_rows(
+        tile0 * T0, tile1 * T1, tile2 * T2, r0, r1, r2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2,
+        D0, D1, D2, CAUSAL0, CAUSAL1, CAUSAL2, IDX64)
     lo0, n0 = _offset_range(q_ok, qc0, start0, stop0)
     lo1, n1 = _offset_range(q_ok, qc1, start1, stop1)
     lo2, n2 = _offset_range(q_ok, qc2, start2, stop2)
@@ -565,28 +576,15 @@ def _program_group(NT0, NT1, NT2, D0, D1, D2, L0, L1, L2, HEADS, ACT0: tl.conste
 
 
 @triton.jit
-def _query_rows(tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
-                CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr, T0: tl.constexpr,
-                T1: tl.constexpr, T2: tl.constexpr, IDX64: tl.constexpr):
-    """The rows of a query tile: whether each exists, its token, and its clamped coordinate and window per axis."""
-    r0, r1, r2 = _tile_coords(T0, T1, T2)
-    ok0, qc0, start0, stop0 = _axis_rows(tile0 * T0, r0, Lg0, K0, S0, CAUSAL0)
-    ok1, qc1, start1, stop1 = _axis_rows(tile1 * T1, r1, Lg1, K1, S1, CAUSAL1)
-    ok2, qc2, start2, stop2 = _axis_rows(tile2 * T2, r2, Lg2, K2, S2, CAUSAL2)
-    q_ok = ok0 & ok1 & ok2
-    q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-    return q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2
-
-
-@triton.jit
 def _query_tile(tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
                 CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr, T0: tl.constexpr,
                 T1: tl.constexpr, T2: tl.constexpr, IDX64: tl.constexpr):
     """The rows of a query-tile program (forward, dQ; ``_query_rows``), and per axis the keys the rows' windows
     reach, ``[lo, hi)``, with the part every row's window holds, ``[in_lo, in_hi)``."""
+    r0, r1, r2 = _tile_coords(T0, T1, T2)
     q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2 = _query_rows(
-        tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
-        CAUSAL0, CAUSAL1, CAUSAL2, T0, T1, T2, IDX64)
+        tile0 * T0, tile1 * T1, tile2 * T2, r0, r1, r2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2,
+        D0, D1, D2, CAUSAL0, CAUSAL1, CAUSAL2, IDX64)
     lo0, hi0, in_lo0, in_hi0 = _axis_span(tile0 * T0, T0, Lg0, K0, S0, CAUSAL0)
     lo1, hi1, in_lo1, in_hi1 = _axis_span(tile1 * T1, T1, Lg1, K1, S1, CAUSAL1)
     lo2, hi2, in_lo2, in_hi2 = _axis_span(tile2 * T2, T2, Lg2, K2, S2, CAUSAL2)
@@ -904,11 +902,9 @@ def na_bwd_dkdv_kernel(
             wrap = i2 == n2
             i2 = tl.where(wrap, 0, i2)
         h_next = tl.where(wrap, h_next + 1, h_next)
-        ok0, qc0, start0, stop0 = _axis_rows(q0, r0, Lg0, K0, S0, CAUSAL0)
-        ok1, qc1, start1, stop1 = _axis_rows(q1, r1, Lg1, K1, S1, CAUSAL1)
-        ok2, qc2, start2, stop2 = _axis_rows(q2, r2, Lg2, K2, S2, CAUSAL2)
-        q_ok = ok0 & ok1 & ok2
-        q_tok = _flat_token(qc0, qc1, qc2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
+        q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2 = _query_rows(
+            q0, q1, q2, r0, r1, r2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
+            CAUSAL0, CAUSAL1, CAUSAL2, IDX64)
         if HOST_DESC:
             q = Q_DESC.load([b, q0, q1, q2, h * BLOCK_D]).reshape([T0 * T1 * T2, BLOCK_D])
             do = DO_DESC.load([b, q0, q1, q2, h * BLOCK_DV]).reshape([T0 * T1 * T2, BLOCK_DV])
@@ -998,9 +994,10 @@ def na_bwd_drpb_kernel(
                                                                          True, True)
     bh = tl.program_id(1)
     hk = h // GROUP
+    r0, r1, r2 = _tile_coords(T0, T1, T2)
     q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2 = _query_rows(
-        tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
-        CAUSAL0, CAUSAL1, CAUSAL2, T0, T1, T2, IDX64)
+        tile0 * T0, tile1 * T1, tile2 * T2, r0, r1, r2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2,
+        D0, D1, D2, CAUSAL0, CAUSAL1, CAUSAL2, IDX64)
     offs_d, offs_dv, d_ok, dv_ok = _head_dims(BLOCK_D, BLOCK_DV, HEAD_DIM, VALUE_DIM)
     q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + q_tok[:, None] * sqt + offs_d[None, :],
                 mask=q_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
