@@ -337,6 +337,22 @@ def test_ddp_on_cpu_with_two_processes(tmp_path):
     assert ckpt["optimizer_states"][0]["param_groups"][0]["initial_lr"] == pytest.approx(4e-3 * 32 / 64)
 
 
+def test_gan_trains_under_ddp_on_cpu_without_strategy_override(tmp_path):
+    """Each backward pass of a GAN step leaves one network without gradients: the task turns on DDP's
+    unused-parameter detection itself, so plain trainer=ddp_cpu trains (D, R1 and G passes, two batches)."""
+    cmd = [sys.executable, "train.py", "experiment=stylenat_skimage", "trainer=ddp_cpu", "data.batch_size=4",
+           "task.module.max_kimg=0.016", "threads=1", "logger=csv", "callbacks.progress_bar=null", "export=false",
+           f"paths.root_dir={tmp_path}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "find_unused_parameters=True" in proc.stdout + proc.stderr
+    (out_dir,) = glob.glob(str(tmp_path / "logs" / "gan" / "*" / "*"))
+    summary = json.load(open(os.path.join(out_dir, "summary.json")))
+    ckpt = torch.load(summary["last_checkpoint"], weights_only=True)
+    assert ckpt["kimg"] == pytest.approx(0.016)  # 2 batches x 4 images x 2 processes
+
+
 @pytest.mark.parametrize("override, match", [
     ("task.module.optimizer.lr=-1", "task.module.optimizer.lr: must be > 0"),
     ("task.module.label_smoothing=1.0", "task.module.label_smoothing: must be < 1"),

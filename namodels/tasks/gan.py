@@ -16,9 +16,9 @@ generator step and one G-EMA update:
 * progress is counted in images seen (``kimg``), not ``global_step`` (which Lightning advances on
   every optimizer step in manual optimization).
 
-Several devices: the D step leaves G's parameters without gradients, so DDP needs
-``find_unused_parameters`` (``trainer.strategy=ddp_find_unused_parameters_true``, or with
-``trainer=ddp``: ``trainer.strategy.find_unused_parameters=true``); checked with 2 CPU processes.
+Several devices: every backward pass trains one network (the other gets no gradients), so the task
+turns on DDP's ``find_unused_parameters`` itself (:meth:`GANTask.setup`): ``trainer=ddp`` / ``ddp_cpu``
+need no strategy override; checked with 2 CPU processes.
 
 Checkpoints are Lightning checkpoints (resumable with ``ckpt_path``) that also carry the release's
 layout at no extra size: ``state_dicts: {g, g_ema, d}`` and ``optim_dicts: {g_optim, d_optim}``
@@ -35,6 +35,8 @@ from typing import Any, Mapping
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
@@ -165,6 +167,27 @@ def diff_augment(x: torch.Tensor, policy: str = "flip,translation,color,cutout")
 
 
 # ---------------------------------------------------------------------------------------------
+# DDP
+# ---------------------------------------------------------------------------------------------
+
+
+def find_unused_parameters(strategy: DDPStrategy) -> None:
+    """Makes ``strategy`` wrap the module in DDP with ``find_unused_parameters=True`` (called before it wraps).
+
+    Each backward pass of a GAN step trains one network: the D and R1 passes give G's parameters no
+    gradients, the G pass D's (toggled off).  Without unused-parameter detection DDP's reducer waits for
+    those gradients and the next backward fails ("Expected to have finished reduction in the prior
+    iteration").  With it, DDP walks the loss's graph after each backward, marks the idle network's
+    parameters ready and leaves their gradients untouched; that walk is small next to the passes.  It is
+    the setting Lightning names for modules like this one.  ``no_sync`` would not do: it skips the
+    reduction of the network being trained as well, which then needs hand-written all-reduces."""
+    kwargs = strategy._ddp_kwargs  # DDPStrategy(**kwargs) keeps DistributedDataParallel's arguments here
+    if not kwargs.get("find_unused_parameters"):
+        kwargs["find_unused_parameters"] = True
+        rank_zero_info("GAN task: DDP find_unused_parameters=True (each backward pass trains G or D, not both)")
+
+
+# ---------------------------------------------------------------------------------------------
 # Lightning module
 # ---------------------------------------------------------------------------------------------
 
@@ -243,6 +266,12 @@ class GANTask(L.LightningModule):
     @property
     def kimg(self) -> float:
         return float(self.images_seen) / 1000.0
+
+    # --- distributed -----------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        if isinstance(self.trainer.strategy, DDPStrategy):
+            find_unused_parameters(self.trainer.strategy)
 
     # --- optimizers ------------------------------------------------------------------------
 
