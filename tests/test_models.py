@@ -571,3 +571,22 @@ def test_residual_drop_path_keeps_a_float32_residual_under_bfloat16_branches():
     block = ResidualDropPath(0.2).train()
     out = block(torch.randn(4, 3, 8), torch.randn(4, 3, 8, dtype=torch.bfloat16))
     assert out.dtype == torch.float32
+
+
+def test_dinat_s_fast_norm_swaps_every_layernorm_and_keeps_weights():
+    """DiNAT_s takes NAT's ``fast_norm``: every LayerNorm (stem, blocks, patch merging, final) on the Triton kernel,
+    same state_dict; on CPU it computes what torch's LayerNorm does."""
+    from ops.layer_norm import LayerNorm as FastLayerNorm
+
+    tiny = dict(TINY, dilations=dilated(TINY["depths"], (2, 2, 1, 1)), backend="naive")
+    fast = timm.create_model("dinat_s_tiny", fast_norm=True, **tiny).eval()
+    plain = timm.create_model("dinat_s_tiny", **tiny).eval()
+    norms = [name for name, m in plain.named_modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert {name.split(".")[0] for name in norms} == {"patch_embed", "layers", "norm"}
+    assert any(".downsample." in name for name in norms) and any(".blocks." in name for name in norms)
+    assert [name for name, m in fast.named_modules() if isinstance(m, FastLayerNorm)] == norms
+    assert not any(isinstance(m, FastLayerNorm) for m in plain.modules())
+    plain.load_state_dict(fast.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), plain(x))

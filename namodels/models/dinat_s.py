@@ -9,6 +9,7 @@ sizes are zero-padded before merging (both official behaviour).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, Sequence
 
 import torch
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
+
+from ops.layer_norm import LayerNorm as FastLayerNorm
 
 from .backbone import NABackbone, build_stages, check_model_arguments
 from .layers import init_weights
@@ -61,7 +64,11 @@ class PatchMerging(nn.Module):
 
 
 class DiNAT_s(NABackbone):
-    """DiNAT_s (arguments as :class:`namodels.models.nat.NAT`, plus ``patch_size``)."""
+    """DiNAT_s (arguments as :class:`namodels.models.nat.NAT`, plus ``patch_size``, without ``layer_scale``).
+
+    ``fast_norm=True`` builds every LayerNorm (stem, blocks, patch merging, final) as ``ops.layer_norm.LayerNorm``,
+    as in NAT: same parameters and state_dict, the Triton kernel on CUDA.
+    """
 
     stage_attr = "layers"
 
@@ -85,20 +92,23 @@ class DiNAT_s(NABackbone):
         drop_path_rate: float = 0.2,
         dilation_mode: str = "clamp",
         backend: str | None = None,
+        fast_norm: bool = False,
     ):
         super().__init__()
         check_model_arguments(kernel_size=kernel_size, mlp_ratio=mlp_ratio, drop_path_rate=drop_path_rate,
                               backend=backend)
         self.in_chans = in_chans
         self.grad_checkpointing = False
-        self.patch_embed = PatchEmbed(in_chans, embed_dim, patch_size)  # built first: keeps the seeded init order
+        norm_layer = FastLayerNorm if fast_norm else nn.LayerNorm
+        # built first: keeps the seeded init order
+        self.patch_embed = PatchEmbed(in_chans, embed_dim, patch_size, norm_layer=norm_layer)
         self.pos_drop = nn.Dropout(pos_drop_rate)
         dims, self.layers = build_stages(
-            embed_dim, depths, num_heads, kernel_size, dilations, PatchMerging, drop_path_rate, mlp_ratio=mlp_ratio,
-            qkv_bias=qkv_bias, proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, dilation_mode=dilation_mode,
-            backend=backend)
+            embed_dim, depths, num_heads, kernel_size, dilations, partial(PatchMerging, norm_layer=norm_layer),
+            drop_path_rate, norm_layer=norm_layer, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
+            attn_drop=attn_drop_rate, dilation_mode=dilation_mode, backend=backend)
         self.num_features = dims[-1]
-        self.norm = nn.LayerNorm(self.num_features)
+        self.norm = norm_layer(self.num_features)
         self._build_feature_info(dims)
         self._init_head(num_classes, global_pool, drop_rate)
         self.apply(init_weights)
