@@ -51,17 +51,14 @@ def main():
     q, k, v = x.unbind(-3)  # strided views, as a model's qkv projection gives them
     rpb = torch.randn(H, 13, 13, device="cuda")
     params = make_params((14, 14), 7)
-    captured = {}
-    real = launch._launch_chunks
-
-    def capture(kernel, programs, heads, batch, tensors, scalars, meta):
-        captured.update(kernel=kernel, grid=(programs, batch * heads), args=(*tensors, *scalars), meta=meta)
-        real(kernel, programs, heads, batch, tensors, scalars, meta)
-
-    launch._launch_chunks = capture
     launch.forward(q, k, v, rpb, params, D ** -0.5)
-    launch._launch_chunks = real
-    kernel, grid, kargs, meta = captured["kernel"], captured["grid"], captured["args"], captured["meta"]
+    (plan,) = launch._FORWARD.values()  # the bare launch: the plan's kernel with this call's arguments prepared
+    q4, k4, v4 = (launch._tokens(t, plan.tokens) if plan.as_tokens else t for t in (q, k, v))
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device="cuda")
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device="cuda")
+    kernel, grid, meta = plan.launch.kernel, plan.launch.grid, plan.launch.meta
+    kargs = (q4, k4, v4, rpb, out, lse, *launch.descriptor_args(q4, plan.host_desc_layouts, (k4, v4)),
+             *plan.launch.scalars)
     qh, kh, vh = (t.transpose(1, 2).reshape(B, H, 196, D) for t in (q, k, v))
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     rpb_g = rpb.clone().requires_grad_()

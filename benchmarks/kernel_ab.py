@@ -73,9 +73,8 @@ def main():
         for key, value in sets.items():
             m, attr = key.split(".")
             setattr(modules[m], attr, value)
-        launch._DIRECT.clear()
+        launch._FORWARD.clear()
         launch._BACKWARD.clear()
-        launch._PLANS.clear()
 
     def deactivate(name):
         autotune._forced.clear()

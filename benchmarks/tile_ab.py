@@ -80,7 +80,7 @@ def main():
         fused_launch.BACKWARD_HOST_DESCRIPTORS = True
         host_runs = {kernel: runs_[0] for kernel, runs_ in capture_runs(problem)[0].items() if kernel in ("dq", "dkdv")}
         fused_launch.BACKWARD_HOST_DESCRIPTORS = False
-        fused_launch._DIRECT.clear()
+        fused_launch._FORWARD.clear()
         fused_launch._BACKWARD.clear()
     runs, params = capture_runs(problem)
     fused_launch.BACKWARD_HOST_DESCRIPTORS = switch

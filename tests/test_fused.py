@@ -45,10 +45,10 @@ TMA_DTYPE = torch.float32 if INTERPRETED else torch.bfloat16
 def fresh_launch_plans():
     """Each test starts without cached launch plans, so its first call of a problem takes the full
     path (tile choice, int64 decision) under whatever the test patched."""
-    for plans in (launch._DIRECT, launch._BACKWARD, launch._PLANS):
+    for plans in (launch._FORWARD, launch._BACKWARD):
         plans.clear()
     yield
-    for plans in (launch._DIRECT, launch._BACKWARD, launch._PLANS):
+    for plans in (launch._FORWARD, launch._BACKWARD):
         plans.clear()
 
 
@@ -139,8 +139,8 @@ TILED_SLOW = [
 
 def _assert_tma_used(expected: bool):
     """Every cached forward / backward launch took (or skipped) the TMA loads."""
-    assert launch._DIRECT and launch._BACKWARD
-    assert all(plan.launch.meta["TMA"] == expected for plan in launch._DIRECT.values())
+    assert launch._FORWARD and launch._BACKWARD
+    assert all(plan.launch.meta["TMA"] == expected for plan in launch._FORWARD.values())
     assert all(plan.dq.meta["TMA"] == expected and plan.dkdv.meta["TMA"] == expected
                for plan in launch._BACKWARD.values())
 
@@ -171,13 +171,13 @@ HOST_DESC_CASES = [
 @pytest.mark.parametrize("p, host", HOST_DESC_CASES, ids=["host", "dilated", "dim24"])
 def test_forward_kv_descriptors_built_on_the_host(p, host):
     """With TMA on, the forward's K/V descriptors come from the host where the layout allows it (one descriptor
-    per tensor over [B, L0, L1, L2, heads * D]) and from each program otherwise; a repeated call takes the direct
-    path, which rebuilds the host descriptors for the new tensors."""
+    per tensor over [B, L0, L1, L2, heads * D]) and from each program otherwise; a repeated call takes its plan,
+    which rebuilds the host descriptors for the new tensors."""
     tma = Config(16, 16, 4, 1, True)
     with autotune.forced(fwd=tma, dq=tma, dkdv=tma):
-        for seed in (0, 1):  # the second call of the problem goes through launch._DIRECT
+        for seed in (0, 1):  # the second call of the problem goes through launch._FORWARD
             _run(p, TMA_DTYPE, seed=seed)
-    plans = list(launch._DIRECT.values())
+    plans = list(launch._FORWARD.values())
     assert len(plans) == 1 and plans[0].launch.meta["TMA"]  # bfloat16 on the GPU, any dtype interpreted
     assert plans[0].launch.meta["HOST_DESC"] == host
     assert (plans[0].host_desc_layouts is not None) == host
@@ -188,7 +188,7 @@ def test_forward_kv_descriptors_built_on_the_host(p, host):
 def test_backward_descriptors_built_on_the_host(p, host, query_rows, monkeypatch):
     """``BACKWARD_HOST_DESCRIPTORS`` on: with TMA, dQ reads K/V and dK/dV reads Q/dO (and, with queries as the
     matmul rows, its own K/V tile) through descriptors built on the host where the layout allows it (the forward's
-    rule), through per-program ones otherwise; gradients match the oracle on the first call and through the direct
+    rule), through per-program ones otherwise; gradients match the oracle on the first call and through the
     backward plan, which rebuilds the descriptors for the new tensors."""
     monkeypatch.setattr(launch, "BACKWARD_HOST_DESCRIPTORS", True)
     monkeypatch.setattr(launch, "DKDV_QUERY_ROWS_FROM", 1 if query_rows else 1 << 30)
@@ -216,9 +216,9 @@ def test_backward_host_descriptors_follow_the_switch(monkeypatch):
                          and plan.dq_layouts is None and plan.dkdv_layouts is None for plan in plans)
 
 
-def test_direct_launch_checks_alignment_of_tensors_only():
-    """The direct launch compares pointer alignment with the compiled kernel's; host-built descriptors among the
-    arguments are skipped there (the first GPU run of the direct path with them raised AttributeError)."""
+def test_plan_launch_checks_alignment_of_tensors_only():
+    """A plan's launch compares pointer alignment with the compiled kernel's; host-built descriptors among the
+    arguments are skipped there (they are not pointers)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     base = torch.zeros(4, 16)
@@ -232,7 +232,7 @@ def test_register_cap_reaches_the_compiler():
     capped = Config(16, 16, 1, 1, maxnreg=64)
     with autotune.forced(fwd=capped, dq=capped, dkdv=capped, drpb=Config(16, 1, 4, 1)):
         _run(_fixed((6, 9), (3, 5), d=(2, 1), rpb=True), torch.float32, grads=True)
-    assert launch._DIRECT and all(plan.launch.meta["maxnreg"] == 64 for plan in launch._DIRECT.values())
+    assert launch._FORWARD and all(plan.launch.meta["maxnreg"] == 64 for plan in launch._FORWARD.values())
     assert all(plan.dq.meta["maxnreg"] == 64 == plan.dkdv.meta["maxnreg"] for plan in launch._BACKWARD.values())
 
 
@@ -240,12 +240,14 @@ def test_int64_index_path(monkeypatch):
     """The kernels' int64 token-offset variant (used past 2**31 elements per batch element)."""
     monkeypatch.setattr(launch, "needs_int64", lambda *tensors: True)
     _run(_fixed((6, 9), (3, 5), d=(2, 1), rpb=True), torch.float32, grads=True)
-    assert launch._DIRECT and all(plan.launch.meta["IDX64"] for plan in launch._DIRECT.values())
-    assert launch._PLANS and all(plan[2]["IDX64"] for plan in launch._PLANS.values())  # (programs, scalars, meta, ..)
+    assert launch._FORWARD and all(plan.launch.meta["IDX64"] for plan in launch._FORWARD.values())
+    assert launch._BACKWARD and all(plan.dq.meta["IDX64"] and plan.dkdv.meta["IDX64"]
+                                    for plan in launch._BACKWARD.values())
 
 
 def _record_drpb_paths(monkeypatch) -> list:
-    """The names of the dRPB paths the backward takes (``reduce_window_ds`` or ``_drpb_launch``), in call order."""
+    """The names of the dRPB paths the backward takes, in call order: ``reduce_window_ds`` (per call) or
+    ``_drpb_launch`` (the offset pass, planned on a problem's first call)."""
     from ops.fused import rpb_grad
 
     paths = []
@@ -280,7 +282,7 @@ def test_batch_chunks_and_drpb_modes(monkeypatch, mode):
 
 def _dq_ds_modes() -> set:
     """(STORE_DS, DS_ATOMIC) of every dQ launch plan built so far."""
-    return {(args[2]["STORE_DS"], args[2]["DS_ATOMIC"]) for key, args in launch._PLANS.items() if key[0] == "dq"}
+    return {(plan.dq.meta["STORE_DS"], plan.dq.meta["DS_ATOMIC"]) for plan in launch._BACKWARD.values()}
 
 
 def test_drpb_reproducible_when_deterministic():
@@ -346,8 +348,10 @@ def test_half_precision(dtype, tma):
     cfg = Config(16, 16, 4, 1, tma)
     with autotune.forced(fwd=cfg, dq=cfg, dkdv=cfg):
         _run(_fixed((8, 10), (5, 3), d=(1, 2), rpb=True, heads=2, heads_kv=1, dim=32, dim_v=32), dtype, grads=True)
-    if not INTERPRETED:  # the interpreter widens bfloat16 (no direct plans to inspect); the small-tile test covers it
-        _assert_tma_used(tma)
+    _assert_tma_used(tma)
+    # the interpreter runs bfloat16 through float32 copies (``launch._tokens``), which the plans record
+    widened = INTERPRETED and dtype == torch.bfloat16
+    assert all(plan.as_tokens == widened for plans in (launch._FORWARD, launch._BACKWARD) for plan in plans.values())
 
 
 @pytest.mark.parametrize("p", [_fixed((40,), 21, dim=16, heads=2, heads_kv=2), _fixed((9, 11), (5, 7), rpb=True)],
@@ -382,7 +386,7 @@ def test_mask_paths(monkeypatch, mask_in_dot):
     three axes: 1-D / 2-D / 3-D, causal, stride, dilation, GQA, RPB (whose forward keeps the selects), odd sizes, and
     both dK/dV orientations (16-query tiles: keys as rows; 64-query tiles: queries as rows)."""
     monkeypatch.setattr(launch, "MASK_IN_DOT_FROM", 0.0 if mask_in_dot else float("inf"))
-    launch._DIRECT.clear()
+    launch._FORWARD.clear()
     launch._BACKWARD.clear()
     small = Config(16, 16, 4, 1)
     with autotune.forced(fwd=small, dq=small, dkdv=small):
@@ -392,7 +396,7 @@ def test_mask_paths(monkeypatch, mask_in_dot):
         _run(_fixed((37,), (7,), s=(3,), c=(True,)), torch.float32, grads=True)
     with autotune.forced(fwd=small, dq=small, dkdv=Config(16, 64, 4, 1)):
         _run(_fixed((6, 6, 10), (5, 3, 7), heads=4, heads_kv=2, batch=2), torch.float32, grads=True)
-    forward = {plan.launch.meta["MASK_IN_DOT"] for plan in launch._DIRECT.values() if not plan.launch.meta["HAS_RPB"]}
+    forward = {plan.launch.meta["MASK_IN_DOT"] for plan in launch._FORWARD.values() if not plan.launch.meta["HAS_RPB"]}
     backward = {plan.dq.meta["MASK_IN_DOT"] for plan in launch._BACKWARD.values()}
     backward |= {plan.dkdv.meta["MASK_IN_DOT"] for plan in launch._BACKWARD.values()}
     rows = {plan.dkdv.meta["QUERY_ROWS"] for plan in launch._BACKWARD.values()}
@@ -402,22 +406,22 @@ def test_mask_paths(monkeypatch, mask_in_dot):
 
 def test_inference_without_lse_skips_its_store():
     """A call that needs no lse (no gradient, no return_lse) launches the forward without its lse store, on the first
-    call and on the direct plan after it, and gets the oracle's output; asking for lse on the same problem gets a
+    call and on its plan after it, and gets the oracle's output; asking for lse on the same problem gets a
     plan that stores it (outputs NaN-poisoned by ``poison_outputs``)."""
     p = _fixed((7, 9), (3, 5), rpb=True, heads=2, heads_kv=1)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     q, k, v, rpb = p.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
-    launch._DIRECT.clear()
+    launch._FORWARD.clear()
     ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial,
                                         p.kernel_size, p.stride, p.dilation, p.causal, rpb=rpb.double().cpu())
     with torch.no_grad():
-        for call in range(2):  # the first call builds the direct plan, the second takes it
+        for call in range(2):  # the first call builds the plan, the second takes it
             out = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), rpb=rpb, backend="fused")
             assert _rel_err(out, ref_out) < TOL[torch.float32], call
-        assert [plan.launch.meta["STORE_LSE"] for plan in launch._DIRECT.values()] == [False]
+        assert [plan.launch.meta["STORE_LSE"] for plan in launch._FORWARD.values()] == [False]
         out, lse = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), rpb=rpb, return_lse=True, backend="fused")
     assert _rel_err(out, ref_out) < TOL[torch.float32] and _rel_err(lse, ref_lse) < TOL[torch.float32]
-    assert sorted(plan.launch.meta["STORE_LSE"] for plan in launch._DIRECT.values()) == [False, True]
+    assert sorted(plan.launch.meta["STORE_LSE"] for plan in launch._FORWARD.values()) == [False, True]
 
 
 def test_additional_keys_merge_through_lse():
@@ -483,7 +487,7 @@ def test_unsupported_reasons(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_repeated_calls_take_the_direct_path(dtype):
+def test_repeated_calls_run_from_the_plans(dtype):
     """The second call of a problem launches from the cached plans (no views, no tile choice), forward
     and backward: fresh strided q/k/v views of a qkv projection and a float32 RPB each time, outputs
     and all four gradients checked against the oracle."""
@@ -499,8 +503,8 @@ def test_repeated_calls_take_the_direct_path(dtype):
                                             rpb=ref_in[1])
         assert _rel_err(out, ref_out) < TOL[dtype] and _rel_err(lse, ref_lse) < TOL[dtype]
         assert out.shape == (2, *spatial, heads, dim) and out.is_contiguous()
-        assert len(launch._DIRECT) == 1, "the first call should have left a direct plan"
-        # dense d_out and d_lse (an expanded gradient, as .sum() gives, is copied and takes the full path)
+        assert len(launch._FORWARD) == 1, "the first call should have left a plan"
+        # dense d_out and d_lse (an expanded gradient, as .sum() gives, is another layout: a plan of its own)
         weight = torch.randn(out.shape, dtype=dtype, device=DEVICE, generator=gen)
         lse_weight = torch.randn(lse.shape, device=DEVICE, generator=gen)
         got = torch.autograd.grad((out * weight).float().sum() + (lse * lse_weight).sum(), (qkv, rpb))
@@ -508,7 +512,7 @@ def test_repeated_calls_take_the_direct_path(dtype):
                                   ref_in)
         for g, r in zip(got, ref):
             assert _rel_err(g, r) < 4 * TOL[dtype]
-        assert len(launch._BACKWARD) == 1, "the first backward should have left a direct plan"
+        assert len(launch._BACKWARD) == 1, "the first backward should have left a plan"
 
 
 @pytest.mark.parametrize("scale", [0.7, -0.5, 0.0])
@@ -527,7 +531,7 @@ def test_any_scale_sign(scale, rpb):
 
 
 def test_empty_launch_hook_chain_is_skipped():
-    """The direct launch passes no hook (and builds no launch metadata) for an empty hook chain, and
+    """A plan's launch passes no hook (and builds no launch metadata) for an empty hook chain, and
     passes a chain with hooks (a profiler's) on."""
     import triton
 
@@ -805,7 +809,7 @@ def test_gpu_tma_loads(dtype, seed):
     pad to the descriptor box) with 64- and 128-row tiles; float32 must fall back to pointer loads."""
     rng = random.Random(2000 + seed)
     for rank in (1, 2, 3):
-        launch._DIRECT.clear()
+        launch._FORWARD.clear()
         launch._BACKWARD.clear()
         p = random_problem(rng, rank=rank, max_tokens=600, max_dim=128)
         p.dim, p.dim_v = max(p.dim, 8) // 8 * 8, max(p.dim_v, 8) // 8 * 8  # 16-byte token strides
@@ -829,7 +833,7 @@ def test_gpu_small_window_tiles(warps):
     small = Config(16, 64, warps, 2)
     dkdv = Config(16, 32 * warps, warps, 2)
     for rank in (1, 2, 3):
-        launch._DIRECT.clear()
+        launch._FORWARD.clear()
         launch._BACKWARD.clear()
         p = random_problem(rng, rank=rank, max_tokens=400, max_dim=64)
         p.dim = max(p.dim, 8)
@@ -847,7 +851,7 @@ def test_gpu_small_window_defaults_use_host_descriptors(rpb, monkeypatch):
     monkeypatch.setattr(autotune, "_cache", {})
     _run(_fixed((20, 24), (7, 7), rpb=rpb, heads=4, heads_kv=2, dim=32, dim_v=32, batch=2), torch.bfloat16,
          grads=True)
-    (fwd,), (bwd,) = launch._DIRECT.values(), launch._BACKWARD.values()
+    (fwd,), (bwd,) = launch._FORWARD.values(), launch._BACKWARD.values()
     assert fwd.launch.meta["HOST_DESC"] and bwd.dq.meta["HOST_DESC"] and bwd.dkdv.meta["HOST_DESC"]
 
 
@@ -866,10 +870,10 @@ def test_gpu_tma_falls_back_on_misaligned_views():
         ref = ops.neighborhood_attention(2, q.float(), k.float(), v.float(), **p.kwargs(), backend="naive")
         out = ops.neighborhood_attention(2, q, k_odd, v, **p.kwargs(), backend="fused")
         assert _rel_err(out, ref) < TOL[torch.bfloat16]
-        assert [plan.launch.meta["TMA"] for plan in launch._DIRECT.values()] == [False]
+        assert [plan.launch.meta["TMA"] for plan in launch._FORWARD.values()] == [False]
         out = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), backend="fused")
         assert _rel_err(out, ref) < TOL[torch.bfloat16]
-        assert sorted(plan.launch.meta["TMA"] for plan in launch._DIRECT.values()) == [False, True]
+        assert sorted(plan.launch.meta["TMA"] for plan in launch._FORWARD.values()) == [False, True]
 
 
 @pytest.mark.gpu

@@ -39,11 +39,11 @@ _rows_of_block = getattr(launch.kernels, "_rows_of_block", None)
 
 @pytest.fixture(autouse=True)
 def fresh_fused_plans():
-    """Every test takes the fused launcher's full path first (plans built under what the test patched)."""
-    for plans in (launch._DIRECT, launch._BACKWARD, launch._PLANS):
+    """Every test plans its problems afresh (plans built under what the test patched)."""
+    for plans in (launch._FORWARD, launch._BACKWARD):
         plans.clear()
     yield
-    for plans in (launch._DIRECT, launch._BACKWARD, launch._PLANS):
+    for plans in (launch._FORWARD, launch._BACKWARD):
         plans.clear()
 
 
@@ -194,7 +194,7 @@ def test_non_finite_stays_in_its_windows_fused(bad_tensor, bad_value, path, monk
 
 @pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(), reason="needs CUDA or the interpreter")
 def test_fused_contains_non_finite_values_on_a_repeated_call():
-    """The direct launch plans (second call of a problem) run the same kernels: clean inputs after bad ones and bad
+    """The launch plans (second call of a problem) run the same kernels: clean inputs after bad ones and bad
     inputs after clean ones give the reference's patterns."""
     for bad_value in (0.5, float("nan"), 0.25):
         _check_contained_or_finite("fused", bad_value)
@@ -266,8 +266,8 @@ def _fused_plan_precisions(q, grads=False):
     """Runs the fused backend once; the ``PREC`` of every cached forward (or backward) plan."""
     out = ops.na2d(q, q, q, 3, backend="fused")
     if not grads:
-        return [plan.launch.meta["PREC"] for plan in launch._DIRECT.values()]
-    out.backward(torch.randn_like(out))  # a dense gradient: the backward keeps a direct plan
+        return [plan.launch.meta["PREC"] for plan in launch._FORWARD.values()]
+    out.backward(torch.randn_like(out))  # a dense gradient, as in training
     return [(plan.dq.meta["PREC"], plan.dkdv.meta["PREC"]) for plan in launch._BACKWARD.values()]
 
 
@@ -285,7 +285,7 @@ def test_fused_float32_precision_follows_torch_setting(matmul_precision):
     assert _fused_plan_precisions(q) == ["tf32x3", "tf32"]  # the same matmuls as "high": the same plan
     matmul_precision("highest")
     assert _fused_plan_precisions(q) == ["tf32x3", "tf32"]
-    launch._DIRECT.clear()
+    launch._FORWARD.clear()
     assert _fused_plan_precisions(q.half()) == ["tf32"]
 
 

@@ -1,6 +1,13 @@
-"""Host side of the fused kernels: shapes, strides, grids, configuration lookup, launches."""
+"""Host side of the fused kernels: one plan per problem and input layout, then launches.
+
+``plan_forward`` / ``plan_backward`` decide every launch parameter of a call once (tiles from the defaults, the
+tuning cache or the tuner; TMA and host-built descriptors; masking mode; index width; batch chunks; the dRPB path)
+and return it; ``forward`` / ``backward`` look the plan up, allocate the outputs and run its launches, and the
+tuner (``autotune``) only times the candidates a plan offers it.
+"""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -181,8 +188,7 @@ def ensure_scratch_allocator(meta: dict) -> None:
     """Kernels that build TMA descriptors on the device (``meta["TMA"]``) write them to a global scratch
     buffer, which Triton allocates per launch through ``triton.set_allocator``.  Installs one backed by
     torch's caching allocator unless the caller set their own.  The setting is a ContextVar (per
-    thread), so both launch paths below run this before every launch: autograd's worker threads start
-    without it."""
+    thread), so every launch runs this first: autograd's worker threads start without it."""
     if not meta.get("TMA"):
         return
     from triton.runtime import _allocation
@@ -202,32 +208,25 @@ def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _contiguous_strides(shape) -> tuple:
+    """(batch, token, head) strides of a contiguous ``[B, N, H, D]`` tensor: the gradients and outputs the launches
+    allocate."""
+    _, n, h, d = shape
+    return n * h * d, h * d, d
+
+
 def _rpb_table(rpb, heads):
     return rpb.detach().reshape(heads, -1).float().contiguous() if rpb is not None else None
 
 
-# Launch plans: everything a launch needs besides the tensors, per (configuration, shapes, strides).
-# Eager models call the same few problems over and over, and at small maps (NAT's 14x14 stage) the
-# kernels run for less time than rebuilding these arguments takes (host-bound).
-_PLANS: dict[tuple, tuple] = {}
+def _rpb_direct(rpb) -> bool:
+    """The kernels read a float32 contiguous ``[H, ...]`` table: such an rpb goes in as it is."""
+    return rpb is not None and rpb.dtype == torch.float32 and rpb.is_contiguous()
 
 
-def _plan(key: tuple, build):
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = build()
-    return plan
-
-
-def _launch_chunks(kernel, programs, heads, batch, tensors, scalars, meta):
-    """Launches ``kernel`` over batch chunks whose B*H fits the grid (one launch in the common case)."""
-    ensure_scratch_allocator(meta)
-    chunks = batch_chunks(batch, heads)
-    if len(chunks) == 1:
-        kernel[(programs, batch * heads)](*tensors, *scalars, **meta)
-        return
-    for lo, hi in chunks:
-        kernel[(programs, (hi - lo) * heads)](*(t[lo:hi] if t.dim() > 2 else t for t in tensors), *scalars, **meta)
+def _same_memory(pairs) -> bool:
+    """Every flat-token view is the tensor itself, reshaped (so the tensor can be passed instead)."""
+    return all(t4.data_ptr() == t.data_ptr() and t4.dtype == t.dtype for t4, t in pairs)
 
 
 @dataclass
@@ -298,35 +297,63 @@ def _remember_compiled(plan: _Launch, compiled, tensors) -> None:
     plan.compiled = compiled
 
 
-@dataclass
-class _DirectForward:
-    """A forward whose only per-call work is two allocations and the kernel launch itself: q, k, v
-    (and a float32 contiguous rpb) go to the kernel as they are, since their flat-token views share
-    their memory and every stride is already in the launch's scalars."""
-
-    launch: _Launch
-    out_shape: tuple
-    lse_shape: tuple | None  # None: the plan does not store lse (``need_lse`` False)
-    rpb_direct: bool
-    host_desc_layouts: tuple | None = None  # (K/V layouts,) of the host-built descriptors (rebuilt per call), if any
+# A kernel's launches for one problem: one per batch range whose B*H fits the grid (``batch_chunks``), each
+# ``(launch, first batch element, end)``.
+Chunks = tuple[tuple[_Launch, int, int], ...]
 
 
-_DIRECT: dict[tuple, _DirectForward] = {}
-MAX_DIRECT_PLANS = 1024
+def _chunked(kernel, programs: int, heads: int, batch: int, scalars: tuple, meta: dict) -> Chunks:
+    return tuple((_Launch(kernel, (programs, (hi - lo) * heads), scalars, meta), lo, hi)
+                 for lo, hi in batch_chunks(batch, heads))
+
+
+def _run_chunks(chunks: Chunks, tensors) -> None:
+    """Runs a kernel's launches; a chunk sees the tensors of rank above 2 (the ``[B, ...]`` ones) sliced to its batch
+    range, and the tables (rpb ``[H, R]``, an atomic accumulator) whole."""
+    if len(chunks) == 1:
+        chunks[0][0](tensors)
+        return
+    for launch, lo, hi in chunks:
+        launch(tuple(t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() > 2 else t for t in tensors))
+
+
+# Plans, per problem and input layout (the keys below): every launch parameter of a call, decided once by
+# ``plan_forward`` / ``plan_backward``; ``forward`` and ``backward`` only allocate the outputs and run the launches.
+# Eager models call the same few problems over and over, and at small maps (NAT's 14x14 stage) the kernels run for
+# less time than deciding their arguments takes.
+_FORWARD: dict[tuple, "ForwardPlan"] = {}
+_BACKWARD: dict[tuple, "BackwardPlan"] = {}
+MAX_PLANS = 1024
+
+
+def _remember(plans: dict, key: tuple, plan):
+    if len(plans) < MAX_PLANS:
+        plans[key] = plan
+    return plan
 
 
 def _rpb_layout(rpb):
     return None if rpb is None else (rpb.dtype, rpb.stride())
 
 
-def _rpb_direct(rpb) -> bool:
-    """The kernels read a float32 contiguous ``[H, ...]`` table: such an rpb goes in as it is."""
-    return rpb is not None and rpb.dtype == torch.float32 and rpb.is_contiguous()
+# --- forward --------------------------------------------------------------------------------------------------------
 
+@dataclass
+class ForwardPlan:
+    """Every launch parameter of a forward problem and input layout (``plan_forward``)."""
 
-def _same_memory(pairs) -> bool:
-    """Every flat-token view is the tensor itself, reshaped (so the tensor can be passed instead)."""
-    return all(t4.data_ptr() == t.data_ptr() and t4.dtype == t.dtype for t4, t in pairs)
+    launches: Chunks
+    tokens: int  # N: the kernels see the inputs as [B, N, H, D]
+    out_shape: tuple  # [B, *spatial, Hq, Dv]
+    lse_shape: tuple | None  # [B, *spatial, Hq], or None where the kernel skips the store (``need_lse`` False)
+    as_tokens: bool  # the inputs need ``_tokens`` copies (strided spatial axes, bfloat16 under the interpreter)
+    rpb_direct: bool  # the rpb tensor is the kernels' table as it is (float32, contiguous, one launch)
+    host_desc_layouts: tuple | None = None  # (K/V layouts,) of host-built descriptors, rebuilt per call
+
+    @property
+    def launch(self) -> _Launch:
+        """The first batch range's launch (the only one unless B * H passes the grid)."""
+        return self.launches[0][0]
 
 
 def _forward_key(q, k, v, rpb, params, scale, need_lse):
@@ -340,89 +367,98 @@ def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True)
     """Returns ``out [B, *spatial, Hq, Dv]`` (input dtype) and ``lse [B, *spatial, Hq]`` (float32), or None for
     lse where ``need_lse`` is False (the kernel then skips its store)."""
     key = _forward_key(q, k, v, rpb, params, scale, need_lse)
-    plan = _DIRECT.get(key)
-    if plan is not None:
-        out = _empty(plan.out_shape, q.dtype, q.device)
-        lse = _empty(plan.lse_shape, torch.float32, q.device) if plan.lse_shape is not None else None
-        bias = (rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])) if rpb is not None else q
-        plan.launch((q, k, v, bias, out, out if lse is None else lse,
-                     *descriptor_args(q, plan.host_desc_layouts, (k, v))))
-        return out, lse
-    return _forward_full(q, k, v, rpb, params, scale, need_lse, key)
+    plan = _FORWARD.get(key)
+    if plan is None:
+        plan = _remember(_FORWARD, key, plan_forward(q, k, v, rpb, params, scale, need_lse))
+    out = _empty(plan.out_shape, q.dtype, q.device)
+    lse = _empty(plan.lse_shape, torch.float32, q.device) if plan.lse_shape is not None else None
+    table = None if rpb is None else rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])
+    if plan.as_tokens:
+        q, k, v = _tokens(q, plan.tokens), _tokens(k, plan.tokens), _tokens(v, plan.tokens)
+    bias = q if table is None else table  # (a stand-in without RPB: the kernel does not read it)
+    _run_chunks(plan.launches, (q, k, v, bias, out, out if lse is None else lse,
+                                *descriptor_args(q, plan.host_desc_layouts, (k, v))))
+    return out, lse
 
 
-def _forward_full(q, k, v, rpb, params, scale, need_lse, key):
-    """First call of a problem (or one the direct path cannot take): views, tile choice, launch."""
+def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -> ForwardPlan:
+    """The forward's launches for these inputs' problem and layout: tiles (defaults, cache or tuner), TMA and
+    host descriptors, masking mode, index width, batch chunks."""
     b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
     d, dv = q.shape[-1], v.shape[-1]
+    spatial = tuple(q.shape[1:-2])
     q4, k4, v4 = _tokens(q, n), _tokens(k, n), _tokens(v, n)
-    out = _empty((b, n, hq, dv), q.dtype, q.device)
-    lse = _empty((b, n, hq), torch.float32, q.device) if need_lse else None
-    lse_strides = (lse.stride(0), lse.stride(1)) if need_lse else (0, 0)
-    table = _rpb_table(rpb, hq)
-    has_rpb = table is not None
+    out4 = torch.empty((b, n, hq, dv), device="meta")
+    lse_strides = (n * hq, hq) if need_lse else (0, 0)
+    has_rpb = rpb is not None
     tma_ok = tma_eligible(k4, v4)
     host_desc = tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
     precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
+    idx64 = needs_int64(q4, k4, v4, out4)
 
-    def scalars_and_meta(launch: autotune.Launch):
-        window, programs = _window_args(params, launch.outer_tile)
-        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb,
-                           needs_int64(q4, k4, v4, out), precision)
+    @functools.cache  # the tuner runs each candidate many times
+    def decide(config: autotune.Launch):
+        window, programs = _window_args(params, config.outer_tile)
+        meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, idx64, precision)
         # the row max is taken before scaling, which needs a positive scale
         meta["FOLD_SCALE"] = scale > 0 and not has_rpb
-        meta["MASK_IN_DOT"] = meta["FOLD_SCALE"] and mask_in_dot(params, launch, scale)
-        meta["TMA"] = launch.tma and tma_ok
+        meta["MASK_IN_DOT"] = meta["FOLD_SCALE"] and mask_in_dot(params, config, scale)
+        meta["TMA"] = config.tma and tma_ok
         meta["HOST_DESC"] = meta["TMA"] and host_desc
         meta["STORE_LSE"] = need_lse
-        scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out), *lse_strides,
+        scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_contiguous_strides(out4.shape), *lse_strides,
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
-        # the host descriptors' layouts; they hold for k / v too when the direct plan below takes them (same memory)
-        layouts = (host_kv_layouts(params, k4, v4, launch.inner_tile),) if meta["HOST_DESC"] else None
-        return programs, scalars, meta, layouts
+        layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
+        return _chunked(kernels.na_fwd_kernel, programs, hq, b, scalars, meta), layouts
 
-    def run(launch: autotune.Launch, plan=None):
-        programs, scalars, meta, layouts = plan or scalars_and_meta(launch)
-        tensors = (q4, k4, v4, table if has_rpb else q4, out, out if lse is None else lse,
-                   *descriptor_args(q4, layouts, (k4, v4)))
-        _launch_chunks(kernels.na_fwd_kernel, programs, hq, b, tensors, scalars, meta)
+    @functools.cache
+    def tuning_outputs():
+        return (_rpb_table(rpb, hq) if has_rpb else q4, torch.empty((b, n, hq, dv), dtype=q.dtype, device=q.device),
+                torch.empty((b, n, hq), dtype=torch.float32, device=q.device))
 
-    launch = autotune.pick("fwd", q, k, v, params, has_rpb, run, tma=tma_ok, host_descriptors=host_desc)
-    plan = scalars_and_meta(launch)
-    run(launch, plan)
-    if _same_memory(((q4, q), (k4, k), (v4, v))) and len(batch_chunks(b, hq)) == 1 and \
-            len(_DIRECT) < MAX_DIRECT_PLANS:
-        programs, scalars, meta, layouts = plan
-        spatial = tuple(q.shape[1:-2])
-        _DIRECT[key] = _DirectForward(_Launch(kernels.na_fwd_kernel, (programs, b * hq), scalars, meta),
-                                      (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
-                                      _rpb_direct(rpb), layouts)
-    spatial = q.shape[1:-2]
-    return out.reshape(b, *spatial, hq, dv), None if lse is None else lse.reshape(b, *spatial, hq)
+    def run_candidate(config: autotune.Launch):
+        launches, layouts = decide(config)
+        table, out, lse = tuning_outputs()
+        _run_chunks(launches, (q4, k4, v4, table, out, lse, *descriptor_args(q4, layouts, (k4, v4))))
 
+    config = autotune.pick("fwd", q, k, v, params, has_rpb, run_candidate, tma=tma_ok, host_descriptors=host_desc)
+    launches, layouts = decide(config)
+    direct = _same_memory(((q4, q), (k4, k), (v4, v)))
+    return ForwardPlan(launches, n, (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
+                       as_tokens=not direct, rpb_direct=_rpb_direct(rpb) and len(launches) == 1,
+                       host_desc_layouts=layouts)
+
+
+# --- backward -------------------------------------------------------------------------------------------------------
 
 @dataclass
-class _DirectBackward:
-    """The backward's launches for one problem and layout: delta, dQ, dK/dV and (optionally) dRPB.
-    A repeated call allocates its outputs and launches the four kernels, nothing more (building them takes
-    several hundred microseconds of host time)."""
+class BackwardPlan:
+    """Every launch parameter of a backward problem and input layout (``plan_backward``): delta, dQ, dK/dV and the
+    dRPB path (dQ's window-layout dS summed by ``na_drpb_window_kernel``, or the offset pass)."""
 
     delta: _Launch
-    dq: _Launch
-    dkdv: _Launch
-    drpb: _Launch | None
-    drpb_atomic: bool
-    drpb_buffer: tuple  # shape of the dRPB accumulator (per-program partial rows unless atomic)
-    ds_window: tuple | None  # shape of dQ's window-layout dS (``rpb_grad``) where it gives dRPB, else None
-    ds_atomic: bool  # that buffer is summed over the batch by the dQ kernel's atomics (``window_ds_atomic``)
-    params: NAParams
+    dq_launches: Chunks
+    dkdv_launches: Chunks
     shapes: tuple  # (B, N, Hq, Hkv, D, Dv)
+    params: NAParams
+    as_tokens: bool  # the inputs need ``_tokens`` copies (see ``ForwardPlan``), lse / d_lse float32 copies
     rpb_direct: bool
-    dq_layouts: tuple | None = None  # (K/V layouts,) of dQ's host-built descriptors (rebuilt per call), if any
+    ds_window: tuple | None = None  # shape of dQ's window-layout dS (``rpb_grad``) where it gives dRPB
+    ds_atomic: bool = False  # that buffer is summed over the batch by the dQ kernel's atomics (``window_ds_atomic``)
+    reduce: _Launch | None = None  # na_drpb_window_kernel over that buffer
+    drpb_launches: Chunks | None = None  # the offset pass, where the window buffer would be too large
+    drpb_buffer: tuple | None = None  # the offset pass's accumulator: per-program partial rows unless atomic
+    drpb_atomic: bool = False
+    dq_layouts: tuple | None = None  # (K/V layouts,) of dQ's host-built descriptors, if any
     dkdv_layouts: tuple | None = None  # (K/V, Q/dO layouts) of dK/dV's host-built descriptors, if any
 
+    @property
+    def dq(self) -> _Launch:
+        return self.dq_launches[0][0]
 
-_BACKWARD: dict[tuple, _DirectBackward] = {}
+    @property
+    def dkdv(self) -> _Launch:
+        return self.dkdv_launches[0][0]
 
 
 def _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb):
@@ -440,55 +476,56 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     key = _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb)
     plan = _BACKWARD.get(key)
     if plan is None:
-        return _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, key)
+        plan = _remember(_BACKWARD, key, plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale,
+                                                       deterministic, want_drpb))
     b, n, hq, hkv, d, dv = plan.shapes
     dev = q.device
-    delta = torch.empty((b, n, hq), dtype=torch.float32, device=dev)
     dq = _empty(q.shape, q.dtype, dev)
     dk = _empty(k.shape, k.dtype, dev)
     dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
-    table = (rpb if plan.rpb_direct else _rpb_table(rpb, hq)) if rpb is not None else q
-    ds_window = None if plan.ds_window is None else _window_ds_buffer(plan.ds_window, plan.ds_atomic, dev)
+    table = None if rpb is None else rpb if plan.rpb_direct else _rpb_table(rpb, hq)
+    if plan.as_tokens:
+        q, k, v, out, d_out = (_tokens(t, n) for t in (q, k, v, out, d_out))
+        lse = lse.reshape(b, n, hq).float().contiguous()
+        d_lse = None if d_lse is None else d_lse.reshape(b, n, hq).float().contiguous()
+    if table is None:
+        table = q  # a stand-in: without RPB the kernels do not read it
+    delta = torch.empty((b, n, hq), dtype=torch.float32, device=dev)
+    ds = None if plan.ds_window is None else _window_ds_buffer(plan.ds_window, plan.ds_atomic, dev)
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
-    plan.dq((q, k, v, table, d_out, lse, delta, dq, *descriptor_args(q, plan.dq_layouts, (k, v)),
-             q if ds_window is None else ds_window))
-    plan.dkdv((q, k, v, table, d_out, lse, delta, dk, dvv,
-               *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out))))
+    _run_chunks(plan.dq_launches, (q, k, v, table, d_out, lse, delta, dq,
+                                   *descriptor_args(q, plan.dq_layouts, (k, v)), q if ds is None else ds))
+    _run_chunks(plan.dkdv_launches, (q, k, v, table, d_out, lse, delta, dk, dvv,
+                                     *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out))))
     total = None
-    if ds_window is not None:
-        total = rpb_grad.reduce_window_ds(ds_window.view(plan.ds_window), plan.params)
-    elif plan.drpb is not None:
+    if plan.reduce is not None:
+        total = rpb_grad.reduce_window_ds(ds.view(plan.ds_window), plan.params, plan.reduce)
+    elif plan.drpb_launches is not None:
         partial = torch.zeros(plan.drpb_buffer, dtype=torch.float32, device=dev)
-        plan.drpb((q, k, v, table, d_out, lse, delta, partial))
+        _run_chunks(plan.drpb_launches, (q, k, v, table, d_out, lse, delta, partial))
         total = _drpb_total(partial, plan.drpb_atomic)
     return dq, dk, dvv, _as_rpb_grad(total, rpb)
 
 
-def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, key):
-    """First call of a problem (or one the direct path cannot take): views, tile choice, launches."""
+def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
+                  want_drpb: bool) -> BackwardPlan:
+    """The backward's launches for these inputs' problem and layout (see ``plan_forward``), and its dRPB path."""
     b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
     d, dv = q.shape[-1], v.shape[-1]
     q4, k4, v4 = _tokens(q, n), _tokens(k, n), _tokens(v, n)
     o4, do4 = _tokens(out, n), _tokens(d_out, n)
     lse3 = lse.reshape(b, n, hq).float().contiguous()
     dlse = d_lse.reshape(b, n, hq).float().contiguous() if d_lse is not None else None
-    delta = torch.empty((b, n, hq), dtype=torch.float32, device=q.device)
-    delta_launch = _delta_launch(o4, do4, dlse is not None)
-    delta_launch((o4, do4, delta if dlse is None else dlse, delta))
-    dq = _empty((b, n, hq, d), q.dtype, q.device)
-    dk = _empty((b, n, hkv, d), k.dtype, k.device)
-    dvv = _empty((b, n, hkv, dv), v.dtype, v.device)
-    table = _rpb_table(rpb, hq)
-    has_rpb = table is not None
-    rpb_arg = table if has_rpb else q4
-    common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
-    # dRPB from dQ's dS in window layout where that buffer is small enough, else from the offset pass (rpb_grad)
-    ds_window = ds_shape = None
+    has_rpb = rpb is not None
+    # dRPB from dQ's dS in window layout where that buffer is small enough, else from the offset pass
+    ds_shape = None
     ds_atomic = window_ds_atomic(deterministic)
     if has_rpb and want_drpb and rpb_grad.window_path_ok(1 if ds_atomic else b, hq, params):
         ds_shape = rpb_grad.buffer_shape(1 if ds_atomic else b, hq, params)
-        ds_window = _window_ds_buffer(ds_shape, ds_atomic, q.device)
-    idx64 = needs_int64(q4, k4, v4, do4, o4, *(() if ds_window is None else (ds_window.view(ds_shape),)))
+    ds_meta = None if ds_shape is None else torch.empty(ds_shape, device="meta")
+    grads = torch.empty((b, n, hq, d), device="meta"), torch.empty((b, n, hkv, d), device="meta"), \
+        torch.empty((b, n, hkv, dv), device="meta")
+    idx64 = needs_int64(q4, k4, v4, do4, o4, *(() if ds_meta is None else (ds_meta,)))
     # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
     # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
@@ -496,91 +533,87 @@ def _backward_full(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determin
     dq_host = kv_host and dq_tma_ok
     dkdv_host = kv_host and dkdv_tma_ok and host_descriptors_ok(params, q4, do4, b, hq)
     precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
+    common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
+    delta_launch = _delta_launch(o4, do4, dlse is not None)
 
-    def dq_plan(launch):
-        window, programs = _window_args(params, launch.outer_tile)
-        meta = _constexprs(params, launch, launch.outer_tile, launch.inner_tile, d, dv, has_rpb, idx64, precision)
-        meta["TMA"] = launch.tma and dq_tma_ok
+    @functools.cache  # the tuner runs each candidate many times
+    def decide_dq(config):
+        window, programs = _window_args(params, config.outer_tile)
+        meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, idx64, precision)
+        meta["TMA"] = config.tma and dq_tma_ok
         meta["HOST_DESC"] = meta["TMA"] and dq_host
-        meta["STORE_DS"] = ds_window is not None
+        meta["STORE_DS"] = ds_shape is not None
         meta["DS_ATOMIC"] = ds_atomic
-        meta["MASK_IN_DOT"] = mask_in_dot(params, launch, scale)
-        scalars = (*common, *_strides(dq), *_window_ds_strides(ds_shape, ds_atomic), hq,
+        meta["MASK_IN_DOT"] = mask_in_dot(params, config, scale)
+        scalars = (*common, *_contiguous_strides(grads[0].shape), *_window_ds_strides(ds_shape, ds_atomic), hq,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
-        layouts = (host_kv_layouts(params, k4, v4, launch.inner_tile),) if meta["HOST_DESC"] else None
-        return programs, scalars, meta, layouts
+        layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
+        return _chunked(kernels.na_bwd_dq_kernel, programs, hq, b, scalars, meta), layouts
 
-    def run_dq(launch, plan=None):
-        programs, scalars, meta, layouts = plan or dq_plan(launch)
-        if ds_atomic and ds_window is not None:  # the tuner runs dQ once per candidate: each adds from zero
-            ds_window.zero_()
-        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dq, *descriptor_args(q4, layouts, (k4, v4)),
-                   q4 if ds_window is None else ds_window)
-        _launch_chunks(kernels.na_bwd_dq_kernel, programs, hq, b, tensors, scalars, meta)
-
-    def dkdv_plan(launch):
+    @functools.cache
+    def decide_dkdv(config):
         # outer tile = KV tile, inner tile = query tile
-        window, programs = _window_args(params, launch.outer_tile)
-        meta = _constexprs(params, launch, launch.inner_tile, launch.outer_tile, d, dv, has_rpb, idx64, precision)
+        window, programs = _window_args(params, config.outer_tile)
+        meta = _constexprs(params, config, config.inner_tile, config.outer_tile, d, dv, has_rpb, idx64, precision)
         meta["BISECT"] = max(math.ceil(L / dil).bit_length() for L, dil in zip(params.spatial, params.dilation))
-        meta["TMA"] = launch.tma and dkdv_tma_ok
-        meta["QUERY_ROWS"] = math.prod(launch.inner_tile) >= DKDV_QUERY_ROWS_FROM
+        meta["TMA"] = config.tma and dkdv_tma_ok
+        meta["QUERY_ROWS"] = math.prod(config.inner_tile) >= DKDV_QUERY_ROWS_FROM
         meta["HOST_DESC"] = meta["TMA"] and dkdv_host
-        meta["MASK_IN_DOT"] = mask_in_dot(params, launch, scale, inverse=True)
-        scalars = (*common, *_strides(dk), *_strides(dvv), hkv, hq // hkv, d, dv, scale * kernels.LOG2E, scale,
-                   *window)
+        meta["MASK_IN_DOT"] = mask_in_dot(params, config, scale, inverse=True)
+        scalars = (*common, *_contiguous_strides(grads[1].shape), *_contiguous_strides(grads[2].shape), hkv,
+                   hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
         layouts = None
         if meta["HOST_DESC"]:  # K/V in boxes of the KV tile, Q/dO in boxes of the query tile
-            layouts = (host_kv_layouts(params, k4, v4, launch.outer_tile),
-                       host_kv_layouts(params, q4, do4, launch.inner_tile))
-        return programs, scalars, meta, layouts
+            layouts = (host_kv_layouts(params, k4, v4, config.outer_tile),
+                       host_kv_layouts(params, q4, do4, config.inner_tile))
+        return _chunked(kernels.na_bwd_dkdv_kernel, programs, hkv, b, scalars, meta), layouts
 
-    def run_dkdv(launch, plan=None):
-        programs, scalars, meta, layouts = plan or dkdv_plan(launch)
-        tensors = (q4, k4, v4, rpb_arg, do4, lse3, delta, dk, dvv, *descriptor_args(q4, layouts, (k4, v4), (q4, do4)))
-        _launch_chunks(kernels.na_bwd_dkdv_kernel, programs, hkv, b, tensors, scalars, meta)
+    @functools.cache
+    def tuning_inputs() -> dict:
+        """delta and gradient buffers for the tuner's candidate runs (a real delta: a NaN would send the kernels
+        to their rare non-finite path and skew the timings)."""
+        delta = torch.empty((b, n, hq), dtype=torch.float32, device=q.device)
+        delta_launch((o4, do4, delta if dlse is None else dlse, delta))
+        return dict(delta=delta, table=_rpb_table(rpb, hq) if has_rpb else q4,
+                    dq=torch.empty((b, n, hq, d), dtype=q.dtype, device=q.device),
+                    dk=torch.empty((b, n, hkv, d), dtype=k.dtype, device=q.device),
+                    dv=torch.empty((b, n, hkv, dv), dtype=v.dtype, device=q.device),
+                    ds=None if ds_shape is None else _window_ds_buffer(ds_shape, ds_atomic, q.device))
 
-    shapes = (params, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), do4.stride(), q.dtype,
-              has_rpb, scale, dq_tma_ok, dkdv_tma_ok, dq_host, dkdv_host, precision)
-    launch = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
-    dq_args = _plan(("dq", launch, *shapes, ds_shape, ds_atomic), lambda: dq_plan(launch))
-    run_dq(launch, dq_args)
-    launch = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok, host_descriptors=dkdv_host)
-    dkdv_args = _plan(("dkdv", launch, *shapes), lambda: dkdv_plan(launch))
-    run_dkdv(launch, dkdv_args)
-    total = drpb_launch = drpb_partial = None
-    if ds_window is not None:
-        total = rpb_grad.reduce_window_ds(ds_window.view(ds_shape), params)
-    elif has_rpb and want_drpb:
-        drpb_launch, drpb_partial, atomic = _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic,
-                                                         q, k, v, idx64)
-        _launch_chunks(kernels.na_bwd_drpb_kernel, drpb_launch.grid[0], hq, b,
-                       (q4, k4, v4, table, do4, lse3, delta, drpb_partial), drpb_launch.scalars, drpb_launch.meta)
-        total = _drpb_total(drpb_partial, atomic)
-    drpb = _as_rpb_grad(total, rpb)
+    def run_dq(config):
+        launches, layouts = decide_dq(config)
+        s = tuning_inputs()
+        if ds_atomic and s["ds"] is not None:  # each candidate run adds from zero
+            s["ds"].zero_()
+        _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dq"],
+                               *descriptor_args(q4, layouts, (k4, v4)), q4 if s["ds"] is None else s["ds"]))
+
+    def run_dkdv(config):
+        launches, layouts = decide_dkdv(config)
+        s = tuning_inputs()
+        _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dk"], s["dv"],
+                               *descriptor_args(q4, layouts, (k4, v4), (q4, do4))))
+
+    config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
+    dq_launches, dq_layouts = decide_dq(config)
+    config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok, host_descriptors=dkdv_host)
+    dkdv_launches, dkdv_layouts = decide_dkdv(config)
     pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
     if d_lse is not None:
         pairs += ((dlse, d_lse),)
-    if _same_memory(pairs) and len(batch_chunks(b, hq)) == 1 and len(_BACKWARD) < MAX_DIRECT_PLANS:
-        (dq_programs, dq_scalars, dq_meta, dq_layouts), (dkdv_programs, dkdv_scalars, dkdv_meta, dkdv_layouts) = \
-            dq_args, dkdv_args
-        _BACKWARD[key] = _DirectBackward(
-            delta=delta_launch,
-            dq=_Launch(kernels.na_bwd_dq_kernel, (dq_programs, b * hq), dq_scalars, dq_meta),
-            dkdv=_Launch(kernels.na_bwd_dkdv_kernel, (dkdv_programs, b * hkv), dkdv_scalars, dkdv_meta),
-            drpb=drpb_launch,
-            drpb_atomic=drpb_launch is not None and atomic,
-            drpb_buffer=None if drpb_partial is None else tuple(drpb_partial.shape),
-            ds_window=ds_shape,
-            ds_atomic=ds_atomic,
-            params=params,
-            shapes=(b, n, hq, hkv, d, dv),
-            rpb_direct=_rpb_direct(rpb),
-            dq_layouts=dq_layouts,
-            dkdv_layouts=dkdv_layouts,
-        )
-    spatial = q.shape[1:-2]
-    return (dq.reshape(b, *spatial, hq, d), dk.reshape(b, *spatial, hkv, d), dvv.reshape(b, *spatial, hkv, dv), drpb)
+    plan = BackwardPlan(delta_launch, dq_launches, dkdv_launches, (b, n, hq, hkv, d, dv), params,
+                        as_tokens=not _same_memory(pairs),
+                        rpb_direct=_rpb_direct(rpb) and len(dq_launches) == 1 == len(dkdv_launches),
+                        ds_window=ds_shape, ds_atomic=ds_atomic, dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts)
+    if ds_shape is not None:
+        grid, scalars = rpb_grad.reduce_arguments(params, hq, rpb_grad.slot_tables(params, q.device)[1])
+        plan.reduce = _Launch(kernels.na_drpb_window_kernel, grid, scalars,
+                              dict(BLOCK_N=rpb_grad.REDUCE_BLOCK, num_warps=4))
+    elif has_rpb and want_drpb:
+        plan.drpb_launches, plan.drpb_buffer, plan.drpb_atomic = _drpb_launch(q4, k4, v4, rpb, common, params,
+                                                                               scale, deterministic, q, k, v, idx64)
+        plan.rpb_direct = False  # the offset pass reads the [H, R] table: the chunks keep it whole
+    return plan
 
 
 def window_ds_atomic(deterministic: bool) -> bool:
@@ -592,7 +625,7 @@ def window_ds_atomic(deterministic: bool) -> bool:
 
 def _window_ds_buffer(shape, atomic: bool, device):
     """dQ's window-layout dS buffer.  The atomic one starts at zero and is flat, so that batch chunks
-    (``_launch_chunks``) pass it whole; the stored one is ``[B, N, H, slots]``, sliced by batch like the gradients,
+    (``_run_chunks``) pass it whole; the stored one is ``[B, N, H, slots]``, sliced by batch like the gradients,
     and written in full (non-causal windows are full): an allocation the tests poison like the outputs."""
     if atomic:
         return torch.zeros(math.prod(shape), dtype=torch.float32, device=device)
@@ -622,27 +655,26 @@ def _delta_launch(o4, do4, has_dlse: bool) -> _Launch:
                    dict(HAS_DLSE=has_dlse, BLOCK_ROWS=block_rows, BLOCK_DV=block_dv, num_warps=4))
 
 
-def _drpb_launch(q4, k4, v4, table, common, params, scale, deterministic, q, k, v, idx64):
-    """The dRPB launch for the whole batch (one grid row per batch element and head), its zeroed
+def _drpb_launch(q4, k4, v4, rpb, common, params, scale, deterministic, q, k, v, idx64):
+    """The offset pass's dRPB launches (one grid row per batch element and head), the shape of its zeroed
     accumulator, and whether it adds with atomics."""
     b, hq, hkv = q4.shape[0], q4.shape[2], k4.shape[2]
     d, dv = q4.shape[-1], v4.shape[-1]
-    n_rel = table.shape[1]
-    launch = autotune.pick("drpb", q, k, v, params, True, None, tunable=False)
-    window, programs = _window_args(params, launch.outer_tile)
+    n_rel = math.prod(rpb.shape[1:])
+    config = autotune.pick("drpb", q, k, v, params, True, None, tunable=False)
+    window, programs = _window_args(params, config.outer_tile)
     _, _, _, _, C = _axes3(params)
-    tile = launch.outer_tile
+    tile = config.outer_tile
     partial_bytes = b * hq * programs * n_rel * 4
     atomic = not deterministic and partial_bytes > DRPB_PARTIAL_BYTES
-    # per-program rows as [B, H, programs, R]: batch chunks (_launch_chunks) slice it like q/k/v, and the
-    # kernel's row index (b * H + h) * programs + program addresses the same memory
-    partial = torch.zeros((hq, n_rel) if atomic else (b, hq, programs, n_rel), dtype=torch.float32,
-                          device=q4.device)
+    # per-program rows as [B, H, programs, R]: batch chunks slice it like q/k/v, and the kernel's row index
+    # (b * H + h) * programs + program addresses the same memory
+    buffer = (hq, n_rel) if atomic else (b, hq, programs, n_rel)
     meta = dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], T0=tile[0], T1=tile[1], T2=tile[2],
                 BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-                ATOMIC=atomic, IDX64=idx64, num_warps=launch.num_warps, num_stages=launch.num_stages)
+                ATOMIC=atomic, IDX64=idx64, num_warps=config.num_warps, num_stages=config.num_stages)
     scalars = (*common, hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
-    return _Launch(kernels.na_bwd_drpb_kernel, (programs, b * hq), scalars, meta), partial, atomic
+    return _chunked(kernels.na_bwd_drpb_kernel, programs, hq, b, scalars, meta), buffer, atomic
 
 
 def _drpb_total(partial, atomic: bool):

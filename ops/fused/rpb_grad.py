@@ -96,18 +96,28 @@ def _built_on_another_thread(build, device: torch.device):
 REDUCE_BLOCK = 256
 
 
-def reduce_window_ds(ds: torch.Tensor, params: NAParams) -> torch.Tensor:
-    """dRPB ``[H, prod(2K - 1)]`` (float32) from ``ds`` ``[B, N, H, prod(K)]`` (B = 1 for the batch-summed buffer
-    of dQ's atomics): a batch sum where B > 1, then one ``na_drpb_window_kernel`` launch."""
-    x = (ds[0] if ds.shape[0] == 1 else ds.sum(0)).contiguous()
-    n, heads, slots = x.shape
-    tables, (start1, start2) = slot_tables(params, ds.device)
+def reduce_arguments(params: NAParams, heads: int, starts: tuple[int, int]) -> tuple[tuple[int, int], tuple]:
+    """Grid and scalar arguments of ``na_drpb_window_kernel`` (one program per relative offset and head) for a
+    problem, given the axis starts of its slot tables (``slot_tables``).  Its tensors: the batch-summed dS
+    ``[N, H, prod(K)]``, the tables and the float32 dRPB ``[H, prod(2K - 1)]``."""
     pad = 3 - params.rank
     L = (1,) * pad + tuple(params.spatial)
     K = (1,) * pad + tuple(params.kernel_size)
     W = tuple(2 * k - 1 for k in K)
-    out = torch.empty(heads, math.prod(W), dtype=torch.float32, device=ds.device)
-    kernels.na_drpb_window_kernel[(math.prod(W), heads)](
-        x, tables, out, n, heads, slots, L[1], L[2], *W, K[1], K[2], start1, start2, BLOCK_N=REDUCE_BLOCK,
-        num_warps=4)
+    return (math.prod(W), heads), (params.num_tokens, heads, params.window_size, L[1], L[2], *W, K[1], K[2], *starts)
+
+
+def reduce_window_ds(ds: torch.Tensor, params: NAParams, launch=None) -> torch.Tensor:
+    """dRPB ``[H, prod(2K - 1)]`` (float32) from ``ds`` ``[B, N, H, prod(K)]`` (B = 1 for the batch-summed buffer
+    of dQ's atomics): a batch sum where B > 1, then one ``na_drpb_window_kernel`` launch, through ``launch`` (a
+    backward plan's, called with the tensors) where given."""
+    x = (ds[0] if ds.shape[0] == 1 else ds.sum(0)).contiguous()
+    heads = x.shape[1]
+    tables, starts = slot_tables(params, ds.device)
+    out = torch.empty(heads, math.prod(params.rpb_shape), dtype=torch.float32, device=ds.device)
+    if launch is None:
+        grid, scalars = reduce_arguments(params, heads, starts)
+        kernels.na_drpb_window_kernel[grid](x, tables, out, *scalars, BLOCK_N=REDUCE_BLOCK, num_warps=4)
+    else:
+        launch((x, tables, out))
     return out
