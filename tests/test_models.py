@@ -532,47 +532,6 @@ def test_classifier_hooks_are_shared(name, kwargs):
         assert model.grad_checkpointing is enable and all(s.grad_checkpointing is enable for s in stages)
 
 
-@pytest.mark.parametrize("layer_scale", [False, True])
-def test_residual_drop_path_matches_timm_drop_path(layer_scale):
-    """One addcmul per residual gives what ``x + timm.DropPath(p)(gamma * y)`` gives: same per-sample mask (same draws
-    from the same seed), same scaling, same gradients; the identity sum in eval mode."""
-    from timm.layers import DropPath
-
-    from namodels.models.layers import ResidualDropPath
-
-    gen = torch.Generator().manual_seed(0)
-    x, y = (torch.randn(16, 5, 5, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    gamma = torch.rand(8, generator=gen, dtype=torch.float64).requires_grad_() if layer_scale else None
-    ours, timms = ResidualDropPath(0.4), DropPath(0.4)
-    branch = lambda: gamma * y if layer_scale else y  # noqa: E731
-    for train in (True, False):
-        ours.train(train), timms.train(train)
-        torch.manual_seed(1)
-        got = ours(x, y, gamma)
-        torch.manual_seed(1)
-        want = x + timms(branch())
-        torch.testing.assert_close(got, want)
-        weights = torch.randn(got.shape, generator=gen, dtype=torch.float64)
-        leaves = [t for t in (x, y, gamma) if t is not None]
-        torch.testing.assert_close(torch.autograd.grad((got * weights).sum(), leaves),
-                                   torch.autograd.grad((want * weights).sum(), leaves))
-    ours.train()
-    torch.manual_seed(2)
-    kept = ours(torch.zeros(4096, 1, dtype=torch.float64), torch.ones(4096, 1, dtype=torch.float64))
-    assert set(kept.unique().tolist()) == {0.0, 1 / 0.6}  # whole samples dropped or rescaled by 1 / keep
-    assert 0.55 < (kept > 0).double().mean().item() < 0.65
-    with pytest.raises(ValueError, match="drop_prob"):
-        ResidualDropPath(1.0)
-
-
-def test_residual_drop_path_keeps_a_float32_residual_under_bfloat16_branches():
-    from namodels.models.layers import ResidualDropPath
-
-    block = ResidualDropPath(0.2).train()
-    out = block(torch.randn(4, 3, 8), torch.randn(4, 3, 8, dtype=torch.bfloat16))
-    assert out.dtype == torch.float32
-
-
 def test_dinat_s_fast_norm_swaps_every_layernorm_and_keeps_weights():
     """DiNAT_s takes NAT's ``fast_norm``: every LayerNorm (stem, blocks, patch merging, final) on the Triton kernel,
     same state_dict; on CPU it computes what torch's LayerNorm does."""

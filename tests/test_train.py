@@ -117,8 +117,7 @@ def test_nat_family_experiments_are_listed():
 @pytest.mark.parametrize("experiment", sorted(PUBLISHED))
 def test_nat_family_experiment_takes_the_variants_published_settings(experiment):
     from timm.data import resolve_model_data_config
-
-    from namodels.models.layers import ResidualDropPath
+    from timm.layers import DropPath
 
     cfg = compose_cfg("train", [f"experiment={experiment}", "model.pretrained_file=/weights/in22k.pth"])
     plain = OmegaConf.to_container(cfg, resolve=True)
@@ -126,7 +125,7 @@ def test_nat_family_experiment_takes_the_variants_published_settings(experiment)
     assert plain["task"]["module"]["compile"] == plain["model"]["compile"]
     with torch.device("meta"):
         model = create_model(dict(plain["model"], pretrained=False, pretrained_file=None), 1000)
-    rates = [m.drop_prob for m in model.modules() if isinstance(m, ResidualDropPath)]
+    rates = [m.drop_prob for m in model.modules() if isinstance(m, DropPath)]
     assert max(rates) == pytest.approx(PUBLISHED[experiment])  # linear from 0: the last block has the rate
     defaults = resolve_model_data_config(model)
     assert plain["data"]["img_size"] == defaults["input_size"][-1]

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Mlp, trunc_normal_
+from timm.layers import DropPath, Mlp, trunc_normal_
 from torch import nn
 
 import ops
@@ -84,36 +84,6 @@ class NeighborhoodAttention2D(ops.NeighborhoodAttention2D):
         return self.proj_drop(self.proj(out.reshape(B, H, W, self.dim)))
 
 
-class ResidualDropPath(nn.Module):
-    """``x + DropPath(scale * y)``: a residual branch with stochastic depth (timm's ``DropPath``, per sample) and an
-    optional per-channel layer scale, as one ``addcmul``.
-
-    timm's ``x + drop_path(y)`` runs four kernels per residual (a mask, its rescale, the product, the sum) plus one
-    in the backward; this runs two (the mask, then ``x + y * mask / keep`` in one pass) and one in the backward.  A
-    30-block NAT spends enough host time per launch that this is measurable (docs/performance.md).  The mask is drawn
-    exactly as timm draws it (``bernoulli_(keep)`` on a ``[B, 1, ..., 1]`` tensor of ``y``'s dtype), and the sum is
-    taken in ``x``'s dtype (float32 residuals stay float32 under autocast).
-    """
-
-    def __init__(self, drop_prob: float = 0.0, scale_by_keep: bool = True):
-        super().__init__()
-        if not 0.0 <= drop_prob < 1.0:
-            raise ValueError(f"drop_prob: must be in [0, 1), got {drop_prob!r}")
-        self.drop_prob = float(drop_prob)
-        self.scale_by_keep = scale_by_keep
-
-    def extra_repr(self) -> str:
-        return f"drop_prob={round(self.drop_prob, 3):0.3f}"
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.training or self.drop_prob == 0.0:
-            return x + y if scale is None else torch.addcmul(x, y, scale)
-        keep = 1.0 - self.drop_prob
-        mask = y.new_empty((y.shape[0],) + (1,) * (y.dim() - 1)).bernoulli_(keep)
-        factor = mask if scale is None else mask * scale
-        return torch.addcmul(x, y, factor, value=1.0 / keep if self.scale_by_keep else 1.0)
-
-
 class NATBlock(nn.Module):
     """Pre-norm transformer block with neighborhood attention (official ``NATLayer``).
 
@@ -144,7 +114,7 @@ class NATBlock(nn.Module):
             dim, num_heads, kernel_size, dilation=dilation, qkv_bias=qkv_bias, rel_pos_bias=True,
             attn_drop=attn_drop, proj_drop=proj_drop, backend=backend, dilation_mode=dilation_mode,
         )
-        self.drop_path = ResidualDropPath(drop_path)
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
         self.layer_scale = layer_scale is not None
@@ -153,8 +123,10 @@ class NATBlock(nn.Module):
             self.gamma2 = nn.Parameter(layer_scale * torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.drop_path(x, self.attn(self.norm1(x)), self.gamma1 if self.layer_scale else None)
-        return self.drop_path(x, self.mlp(self.norm2(x)), self.gamma2 if self.layer_scale else None)
+        y = self.attn(self.norm1(x))
+        x = x + self.drop_path(self.gamma1 * y if self.layer_scale else y)
+        y = self.mlp(self.norm2(x))
+        return x + self.drop_path(self.gamma2 * y if self.layer_scale else y)
 
 
 def stage_dilations(depths: Sequence[int], dilations) -> list[list[int]]:

@@ -32,14 +32,14 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Mlp, resample_abs_pos_embed, trunc_normal_
+from timm.layers import DropPath, Mlp, resample_abs_pos_embed, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
 import ops
 
 from .backbone import ClassifierHooks, check_batch, check_model_arguments
-from .layers import ResidualDropPath, init_weights
+from .layers import init_weights
 
 __all__ = ["VideoNAT", "StreamState", "VideoRope", "CausalVideoAttention"]
 
@@ -225,7 +225,7 @@ class VideoNABlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim)
         self.attn = CausalVideoAttention(dim, num_heads, kernel_size, temporal_kernel, dilation, qkv_bias=qkv_bias,
                                          proj_drop=proj_drop, rope_theta=rope_theta, backend=backend)
-        self.drop_path = ResidualDropPath(drop_path)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop)
         self.layer_scale = layer_scale is not None
@@ -234,8 +234,9 @@ class VideoNABlock(nn.Module):
             self.gamma2 = nn.Parameter(layer_scale * torch.ones(dim))
 
     def _residuals(self, x, attn_out):
-        x = self.drop_path(x, attn_out, self.gamma1 if self.layer_scale else None)
-        return self.drop_path(x, self.mlp(self.norm2(x)), self.gamma2 if self.layer_scale else None)
+        x = x + self.drop_path(self.gamma1 * attn_out if self.layer_scale else attn_out)
+        y = self.mlp(self.norm2(x))
+        return x + self.drop_path(self.gamma2 * y if self.layer_scale else y)
 
     def forward(self, x, rot):
         return self._residuals(x, self.attn(self.norm1(x), rot))
