@@ -10,7 +10,10 @@ A backend is a module-level object with
   validated heads-last inputs, ``out [B, *spatial, H, Dv]`` in the input dtype, ``lse
   [B, *spatial, H]`` in float32 (float64 for float64 inputs), both differentiable.  ``need_lse=False``
   says the caller will not use lse (a call without ``return_lse`` or extra keys): a backend may skip
-  computing it and return ``None`` (the fused forward then skips its store, a sizeable part of a dilated forward).
+  computing it and return ``None`` (the fused forward then skips its store, a sizeable part of a dilated forward);
+* optionally ``attention_qkvpacked(qkv, params, rpb, scale, need_lse=True)``: the same on packed
+  ``qkv [B, *spatial, 3, H, D]`` (``ops.neighborhood_attention_qkvpacked``), for backends whose backward writes the
+  packed gradient directly; the others get ``qkv.unbind(-3)``.
 
 Every registered backend is imported once when ``ops`` is imported (``load_all``), so that code
 traced by ``torch.compile`` never meets an import (dynamo cannot trace one: each would split the

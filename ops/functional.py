@@ -236,23 +236,9 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def neighborhood_attention(
-    rank: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kernel_size: IntOrTuple,
-    stride: IntOrTuple = 1,
-    dilation: IntOrTuple = 1,
-    is_causal: BoolOrTuple = False,
-    rpb: torch.Tensor | None = None,
-    scale: float | None = None,
-    additional_keys: torch.Tensor | None = None,
-    additional_values: torch.Tensor | None = None,
-    return_lse: bool = False,
-    backend: str | None = None,
-):
-    """N-D neighborhood attention (see ``na1d`` / ``na2d`` / ``na3d``)."""
+def _checked_call(rank, query, key, value, kernel_size, stride, dilation, is_causal, rpb, scale, additional_keys,
+                  additional_values, backend):
+    """The checks every NA call shares, then the backend: ``(params, scale, backend)``."""
     window_args = (kernel_size, stride, dilation, is_causal)
     # (traced code runs the checks once at trace time: no cache lookups for dynamo to follow)
     cacheable = additional_keys is None and not torch.compiler.is_compiling()
@@ -278,11 +264,63 @@ def neighborhood_attention(
         requires_grad=torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (query, key, value, rpb)),
     )
-    impl = select_backend(problem, backend)
-    out, lse = impl.attention(query, key, value, params, rpb, float(scale),
-                              need_lse=return_lse or additional_keys is not None)
+    return params, float(scale), select_backend(problem, backend)
+
+
+def neighborhood_attention_qkvpacked(
+    rank: int,
+    qkv: torch.Tensor,
+    kernel_size: IntOrTuple,
+    stride: IntOrTuple = 1,
+    dilation: IntOrTuple = 1,
+    is_causal: BoolOrTuple = False,
+    rpb: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """N-D neighborhood self-attention on packed ``qkv [B, *spatial, 3, H, D]`` (a qkv projection's output,
+    reshaped): the same result as ``neighborhood_attention(rank, *qkv.unbind(-3), ...)``.  Backends that take the
+    packed tensor (``fused``) write its gradient as one buffer, where separate q / k / v would have their three
+    gradients stacked into it (a copy of three activations per call)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != rank + 4 or qkv.shape[-3] != 3:
+        axes = ", ".join(f"L{a}" for a in range(rank))
+        shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise ValueError(f"qkv: expected a {rank + 4}-D tensor [B, {axes}, 3, H, D] for {rank}-D attention, "
+                         f"got {shape}")
+    query, key, value = qkv.unbind(-3)
+    params, scale, impl = _checked_call(rank, query, key, value, kernel_size, stride, dilation, is_causal, rpb, scale,
+                                        None, None, backend)
+    packed = getattr(impl, "attention_qkvpacked", None)
+    if packed is not None:
+        out, lse = packed(qkv, params, rpb, scale, need_lse=return_lse)
+    else:
+        out, lse = impl.attention(query, key, value, params, rpb, scale, need_lse=return_lse)
+    return (out, lse) if return_lse else out
+
+
+def neighborhood_attention(
+    rank: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kernel_size: IntOrTuple,
+    stride: IntOrTuple = 1,
+    dilation: IntOrTuple = 1,
+    is_causal: BoolOrTuple = False,
+    rpb: torch.Tensor | None = None,
+    scale: float | None = None,
+    additional_keys: torch.Tensor | None = None,
+    additional_values: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """N-D neighborhood attention (see ``na1d`` / ``na2d`` / ``na3d``)."""
+    params, scale, impl = _checked_call(rank, query, key, value, kernel_size, stride, dilation, is_causal, rpb, scale,
+                                        additional_keys, additional_values, backend)
+    out, lse = impl.attention(query, key, value, params, rpb, scale, need_lse=return_lse or additional_keys is not None)
     if additional_keys is not None:
-        out_x, lse_x = _dense_attention(query, additional_keys, additional_values, float(scale))
+        out_x, lse_x = _dense_attention(query, additional_keys, additional_values, scale)
         out, lse = merge_attention(out, lse, out_x, lse_x)
         out = out.to(query.dtype)
     return (out, lse) if return_lse else out

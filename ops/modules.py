@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import make_params, neighborhood_attention
+from .functional import make_params, neighborhood_attention_qkvpacked
 
 
 class _NeighborhoodAttention(nn.Module):
@@ -60,12 +60,12 @@ class _NeighborhoodAttention(nn.Module):
                 f"x: expected [B, {', '.join('L%d' % a for a in range(self.rank))}, {self.dim}], got {tuple(x.shape)}"
             )
         spatial = x.shape[1:-1]
-        q, k, v = self.qkv(x).reshape(x.shape[0], *spatial, 3, self.num_heads, self.head_dim).unbind(-3)
+        qkv = self.qkv(x).reshape(x.shape[0], *spatial, 3, self.num_heads, self.head_dim)
         if self.attn_drop.p > 0 and self.training:
-            out = self._forward_with_weights(q, k, v)
+            out = self._forward_with_weights(*qkv.unbind(-3))
         else:
-            out = neighborhood_attention(
-                self.rank, q, k, v, self.kernel_size, self.stride, self.dilation, self.is_causal,
+            out = neighborhood_attention_qkvpacked(
+                self.rank, qkv, self.kernel_size, self.stride, self.dilation, self.is_causal,
                 rpb=self.rpb, backend=self.backend,
             )
         return self.proj_drop(self.proj(out.reshape(*x.shape[:-1], self.dim)))

@@ -14,7 +14,7 @@ from timm.layers import DropPath, Mlp, trunc_normal_
 from torch import nn
 
 import ops
-from ops.functional import neighborhood_attention
+from ops.functional import neighborhood_attention_qkvpacked
 from ops.unfused import na_av, na_qk
 
 DILATION_MODES = ("clamp", "pad")
@@ -71,16 +71,17 @@ class NeighborhoodAttention2D(ops.NeighborhoodAttention2D):
     def _attend(self, x: torch.Tensor, dilation: tuple[int, int]) -> torch.Tensor:
         """The parent's computation with a per-call dilation (the configured one, or its clamp)."""
         B, H, W, _ = x.shape
-        q, k, v = self.qkv(x).reshape(B, H, W, 3, self.num_heads, self.head_dim).unbind(-3)
+        qkv = self.qkv(x).reshape(B, H, W, 3, self.num_heads, self.head_dim)
         if self.training and self.attn_drop.p > 0:
+            q, k, v = qkv.unbind(-3)
             # dropout needs the attention weights: unfused qk -> softmax -> dropout -> av
             logits = na_qk(2, q * self.head_dim ** -0.5, k, self.kernel_size, self.stride, dilation, self.is_causal,
                            rpb=self.rpb)
             attn = self.attn_drop(torch.softmax(logits.float(), dim=-1).to(q.dtype))
             out = na_av(2, attn, v, self.kernel_size, self.stride, dilation, self.is_causal)
         else:
-            out = neighborhood_attention(2, q, k, v, self.kernel_size, self.stride, dilation, self.is_causal,
-                                         rpb=self.rpb, backend=self.backend)
+            out = neighborhood_attention_qkvpacked(2, qkv, self.kernel_size, self.stride, dilation, self.is_causal,
+                                                   rpb=self.rpb, backend=self.backend)
         return self.proj_drop(self.proj(out.reshape(B, H, W, self.dim)))
 
 

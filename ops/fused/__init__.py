@@ -50,5 +50,8 @@ class FusedBackend:
     def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
         return op.attention(q, k, v, params, rpb, scale, need_lse)
 
+    def attention_qkvpacked(self, qkv, params: NAParams, rpb, scale, need_lse=True):
+        return op.attention_qkvpacked(qkv, params, rpb, scale, need_lse)
+
 
 BACKEND = FusedBackend()

@@ -208,13 +208,6 @@ def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _contiguous_strides(shape) -> tuple:
-    """(batch, token, head) strides of a contiguous ``[B, N, H, D]`` tensor: the gradients and outputs the launches
-    allocate."""
-    _, n, h, d = shape
-    return n * h * d, h * d, d
-
-
 def _rpb_table(rpb, heads):
     return rpb.detach().reshape(heads, -1).float().contiguous() if rpb is not None else None
 
@@ -406,7 +399,7 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -
         meta["TMA"] = config.tma and tma_ok
         meta["HOST_DESC"] = meta["TMA"] and host_desc
         meta["STORE_LSE"] = need_lse
-        scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_contiguous_strides(out4.shape), *lse_strides,
+        scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4), *lse_strides,
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
         return _chunked(kernels.na_fwd_kernel, programs, hq, b, scalars, meta), layouts
@@ -461,28 +454,34 @@ class BackwardPlan:
         return self.dkdv_launches[0][0]
 
 
-def _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb):
+def _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, grads):
     d_lse_layout = None if d_lse is None else (d_lse.dtype, d_lse.stride())
     alignment = tuple(t.data_ptr() % 16 for t in (q, k, v, d_out))  # decides TMA eligibility
+    grads_layout = None if grads is None else tuple(g.stride() for g in grads)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], out.stride(), d_out.stride(),
             d_out.dtype, lse.dtype, lse.stride(), d_lse_layout, q.dtype, q.device, _rpb_layout(rpb), scale,
-            deterministic, want_drpb, alignment, autotune.state(), autotune.dot_precision(q.dtype))
+            deterministic, want_drpb, alignment, grads_layout, autotune.state(), autotune.dot_precision(q.dtype))
 
 
 def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
-             want_drpb: bool = True):
+             want_drpb: bool = True, grads=None):
     """Gradients ``(dq, dk, dv, drpb)`` of ``(out, lse)``; ``drpb`` is ``None`` without RPB or when
-    ``want_drpb`` is False (the bias still enters the recomputed scores)."""
-    key = _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb)
+    ``want_drpb`` is False (the bias still enters the recomputed scores).  ``grads``: ``(dq, dk, dv)`` to write
+    into (e.g. views of one packed ``[B, *spatial, 3, H, D]`` gradient, as ``unbind`` gives them), each shaped like
+    its input with flat-token views; else they are allocated."""
+    key = _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, grads)
     plan = _BACKWARD.get(key)
     if plan is None:
         plan = _remember(_BACKWARD, key, plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale,
-                                                       deterministic, want_drpb))
+                                                       deterministic, want_drpb, grads))
     b, n, hq, hkv, d, dv = plan.shapes
     dev = q.device
-    dq = _empty(q.shape, q.dtype, dev)
-    dk = _empty(k.shape, k.dtype, dev)
-    dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
+    if grads is None:
+        dq = _empty(q.shape, q.dtype, dev)
+        dk = _empty(k.shape, k.dtype, dev)
+        dvv = _empty((*k.shape[:-1], dv), v.dtype, dev)
+    else:
+        dq, dk, dvv = grads
     table = None if rpb is None else rpb if plan.rpb_direct else _rpb_table(rpb, hq)
     if plan.as_tokens:
         q, k, v, out, d_out = (_tokens(t, n) for t in (q, k, v, out, d_out))
@@ -508,7 +507,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
 
 
 def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
-                  want_drpb: bool) -> BackwardPlan:
+                  want_drpb: bool, grads=None) -> BackwardPlan:
     """The backward's launches for these inputs' problem and layout (see ``plan_forward``), and its dRPB path."""
     b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
     d, dv = q.shape[-1], v.shape[-1]
@@ -523,9 +522,14 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     if has_rpb and want_drpb and rpb_grad.window_path_ok(1 if ds_atomic else b, hq, params):
         ds_shape = rpb_grad.buffer_shape(1 if ds_atomic else b, hq, params)
     ds_meta = None if ds_shape is None else torch.empty(ds_shape, device="meta")
-    grads = torch.empty((b, n, hq, d), device="meta"), torch.empty((b, n, hkv, d), device="meta"), \
-        torch.empty((b, n, hkv, dv), device="meta")
-    idx64 = needs_int64(q4, k4, v4, do4, o4, *(() if ds_meta is None else (ds_meta,)))
+    given = grads is not None
+    if not given:  # allocated per call, contiguous
+        grads = torch.empty((b, n, hq, d), device="meta"), torch.empty((b, n, hkv, d), device="meta"), \
+            torch.empty((b, n, hkv, dv), device="meta")
+    grads = tuple(g.reshape(b, n, g.shape[-2], g.shape[-1]) for g in grads)
+    if any(g.stride(-1) != 1 for g in grads):
+        raise ValueError("grads: the gradient outputs need unit last strides and flat-token views")
+    idx64 = needs_int64(q4, k4, v4, do4, o4, *grads, *(() if ds_meta is None else (ds_meta,)))
     # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
     # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
@@ -545,7 +549,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         meta["STORE_DS"] = ds_shape is not None
         meta["DS_ATOMIC"] = ds_atomic
         meta["MASK_IN_DOT"] = mask_in_dot(params, config, scale)
-        scalars = (*common, *_contiguous_strides(grads[0].shape), *_window_ds_strides(ds_shape, ds_atomic), hq,
+        scalars = (*common, *_strides(grads[0]), *_window_ds_strides(ds_shape, ds_atomic), hq,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
         return _chunked(kernels.na_bwd_dq_kernel, programs, hq, b, scalars, meta), layouts
@@ -560,7 +564,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         meta["QUERY_ROWS"] = math.prod(config.inner_tile) >= DKDV_QUERY_ROWS_FROM
         meta["HOST_DESC"] = meta["TMA"] and dkdv_host
         meta["MASK_IN_DOT"] = mask_in_dot(params, config, scale, inverse=True)
-        scalars = (*common, *_contiguous_strides(grads[1].shape), *_contiguous_strides(grads[2].shape), hkv,
+        scalars = (*common, *_strides(grads[1]), *_strides(grads[2]), hkv,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
         layouts = None
         if meta["HOST_DESC"]:  # K/V in boxes of the KV tile, Q/dO in boxes of the query tile
@@ -575,9 +579,10 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         delta = torch.empty((b, n, hq), dtype=torch.float32, device=q.device)
         delta_launch((o4, do4, delta if dlse is None else dlse, delta))
         return dict(delta=delta, table=_rpb_table(rpb, hq) if has_rpb else q4,
-                    dq=torch.empty((b, n, hq, d), dtype=q.dtype, device=q.device),
-                    dk=torch.empty((b, n, hkv, d), dtype=k.dtype, device=q.device),
-                    dv=torch.empty((b, n, hkv, dv), dtype=v.dtype, device=q.device),
+                    # the caller's gradient outputs where given (their strides are in the launches' scalars)
+                    dq=grads[0] if given else torch.empty((b, n, hq, d), dtype=q.dtype, device=q.device),
+                    dk=grads[1] if given else torch.empty((b, n, hkv, d), dtype=k.dtype, device=q.device),
+                    dv=grads[2] if given else torch.empty((b, n, hkv, dv), dtype=v.dtype, device=q.device),
                     ds=None if ds_shape is None else _window_ds_buffer(ds_shape, ds_atomic, q.device))
 
     def run_dq(config):

@@ -67,6 +67,10 @@ def _setup_context(ctx, inputs, output):
     ctx.window = (kernel_size, stride, dilation, is_causal, scale)
 
 
+def _deterministic() -> bool:
+    return DRPB_DETERMINISTIC_DEFAULT or torch.are_deterministic_algorithms_enabled()
+
+
 def _gradients(saved, d_out, d_lse, needs_input_grad, compute):
     """(dq, dk, dv, drpb or None) from the saved tensors: the part both autograd paths share.
     ``compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb)`` runs the backward
@@ -75,7 +79,7 @@ def _gradients(saved, d_out, d_lse, needs_input_grad, compute):
     q, k, v, rpb, out, lse = saved
     if d_out is None:
         d_out = torch.zeros_like(out)
-    deterministic = DRPB_DETERMINISTIC_DEFAULT or torch.are_deterministic_algorithms_enabled()
+    deterministic = _deterministic()
     want_drpb = rpb is not None and needs_input_grad[3]
     dq, dk, dv, drpb = compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb)
     return dq, dk, dv, (drpb if want_drpb else None)
@@ -93,6 +97,77 @@ def _backward(ctx, d_out, d_lse):
 
 
 fused_na_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Packed q/k/v: ``qkv [B, *spatial, 3, H, D]`` as a qkv projection gives it.  Autograd then has one input and one
+# gradient, which the dQ and dK/dV kernels write in place as the three slices of one buffer; with separate q, k, v
+# views it would stack three gradients into the projection's (a copy of three activations per block, forward and
+# compiled alike).
+
+
+@torch.library.custom_op("namodels::fused_na_packed_forward", mutates_args=())
+def fused_na_packed_forward(
+    qkv: torch.Tensor, rpb: Optional[torch.Tensor],
+    kernel_size: list[int], stride: list[int], dilation: list[int], is_causal: list[bool], scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = qkv.unbind(-3)
+    return launch.forward(q, k, v, rpb, _params(q, kernel_size, stride, dilation, is_causal), scale)
+
+
+@fused_na_packed_forward.register_fake
+def _packed_forward_fake(qkv, rpb, kernel_size, stride, dilation, is_causal, scale):
+    shape = (*qkv.shape[:-3], *qkv.shape[-2:])
+    return qkv.new_empty(shape), qkv.new_empty(shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("namodels::fused_na_packed_backward", mutates_args=())
+def fused_na_packed_backward(
+    qkv: torch.Tensor, rpb: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
+    d_lse: Optional[torch.Tensor], kernel_size: list[int], stride: list[int], dilation: list[int],
+    is_causal: list[bool], scale: float, deterministic: bool, want_drpb: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    d_qkv, drpb = _packed_gradients(qkv, rpb, out, lse, d_out, d_lse,
+                                    _params(qkv.unbind(-3)[0], kernel_size, stride, dilation, is_causal), scale,
+                                    deterministic, want_drpb)
+    return d_qkv, qkv.new_empty((0,)) if drpb is None else drpb  # custom ops return tensors only
+
+
+@fused_na_packed_backward.register_fake
+def _packed_backward_fake(qkv, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale,
+                          deterministic, want_drpb):
+    drpb = rpb.new_empty(rpb.shape) if rpb is not None and want_drpb else qkv.new_empty((0,))
+    return qkv.new_empty(qkv.shape), drpb
+
+
+def _packed_gradients(qkv, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb):
+    """``(d_qkv, drpb or None)``: the backward kernels write dq, dk and dv straight into one contiguous buffer."""
+    d_qkv = qkv.new_empty(qkv.shape)
+    q, k, v = qkv.unbind(-3)
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    _, _, _, drpb = launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb,
+                                    grads=d_qkv.unbind(-3))
+    return d_qkv, drpb
+
+
+def _packed_setup_context(ctx, inputs, output):
+    qkv, rpb, kernel_size, stride, dilation, is_causal, scale = inputs
+    ctx.save_for_backward(qkv, rpb, *output)
+    ctx.window = (kernel_size, stride, dilation, is_causal, scale)
+
+
+def _packed_backward(ctx, d_out, d_lse):
+    qkv, rpb, out, lse = ctx.saved_tensors
+    kernel_size, stride, dilation, is_causal, scale = ctx.window
+    want_drpb = rpb is not None and ctx.needs_input_grad[1]
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    d_qkv, drpb = fused_na_packed_backward(qkv, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation,
+                                           is_causal, scale, _deterministic(), want_drpb)
+    return d_qkv, (drpb if want_drpb else None), None, None, None, None, None
+
+
+fused_na_packed_forward.register_autograd(_packed_backward, setup_context=_packed_setup_context)
 
 
 class _EagerFusedNA(torch.autograd.Function):
@@ -121,6 +196,27 @@ class _EagerFusedNA(torch.autograd.Function):
         return (*_gradients(ctx.saved_tensors, d_out, d_lse, ctx.needs_input_grad, compute), None, None)
 
 
+class _EagerFusedNAPacked(torch.autograd.Function):
+    """``_EagerFusedNA`` for packed ``qkv [B, *spatial, 3, H, D]`` (see the packed custom ops)."""
+
+    @staticmethod
+    def forward(ctx, qkv, rpb, params: NAParams, scale: float):
+        q, k, v = qkv.unbind(-3)
+        out, lse = launch.forward(q, k, v, rpb, params, scale)
+        ctx.save_for_backward(qkv, rpb, out, lse)
+        ctx.params, ctx.scale = params, scale
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        qkv, rpb, out, lse = ctx.saved_tensors
+        want_drpb = rpb is not None and ctx.needs_input_grad[1]
+        d_qkv, drpb = _packed_gradients(qkv, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale, _deterministic(),
+                                        want_drpb)
+        return d_qkv, (drpb if want_drpb else None), None, None
+
+
 def _traced() -> bool:
     return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
@@ -138,5 +234,18 @@ def attention(q, k, v, params: NAParams, rpb, scale: float, need_lse: bool = Tru
         return _EagerFusedNA.apply(q, k, v, rpb, params, float(scale))
     return fused_na_forward(
         q, k, v, rpb, list(params.kernel_size), list(params.stride), list(params.dilation),
+        [bool(c) for c in params.is_causal], float(scale),
+    )
+
+
+def attention_qkvpacked(qkv, params: NAParams, rpb, scale: float, need_lse: bool = True):
+    """``attention`` for packed ``qkv [B, *spatial, 3, H, D]``: ``(out, lse)``, lse None where not needed."""
+    if not _traced():
+        if not _needs_grad(qkv, qkv, qkv, rpb):
+            q, k, v = qkv.unbind(-3)
+            return launch.forward(q, k, v, rpb, params, float(scale), need_lse)
+        return _EagerFusedNAPacked.apply(qkv, rpb, params, float(scale))
+    return fused_na_packed_forward(
+        qkv, rpb, list(params.kernel_size), list(params.stride), list(params.dilation),
         [bool(c) for c in params.is_causal], float(scale),
     )
