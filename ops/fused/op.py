@@ -101,7 +101,7 @@ fused_na_forward.register_autograd(_backward, setup_context=_setup_context)
 
 # Packed q/k/v: ``qkv [B, *spatial, 3, H, D]`` as a qkv projection gives it.  Autograd then has one input and one
 # gradient, which the dQ and dK/dV kernels write in place as the three slices of one buffer; with separate q, k, v
-# views it would stack three gradients into the projection's (a copy of three activations per block, forward and
+# views it would stack three gradients into the projection's (a copy of three activations per block, eager and
 # compiled alike).
 
 
@@ -141,7 +141,7 @@ def _packed_backward_fake(qkv, rpb, out, lse, d_out, d_lse, kernel_size, stride,
 
 def _packed_gradients(qkv, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb):
     """``(d_qkv, drpb or None)``: the backward kernels write dq, dk and dv straight into one contiguous buffer."""
-    d_qkv = qkv.new_empty(qkv.shape)
+    d_qkv = launch._empty(qkv.shape, qkv.dtype, qkv.device)  # (the tests poison it like every kernel output)
     q, k, v = qkv.unbind(-3)
     if d_out is None:
         d_out = torch.zeros_like(out)
