@@ -42,7 +42,7 @@ kernels = _load_kernels()
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 POINTERS = {"Q", "Kp", "V", "RPB", "O", "LSE", "DO", "DELTA", "DQ", "DK", "DV", "DRPB", "K_DESC", "V_DESC", "Q_DESC",
-            "DO_DESC", "DSW"}
+            "DO_DESC", "DSW", "BIAS"}
 FLOATS = {"qk_scale", "scale"}
 # host-built descriptors (``HOST_DESC``): the tile their box spans (U: key tile, T: query tile) and its row width
 DESCRIPTOR_BOXES = {"K_DESC": ("U", "BLOCK_D"), "V_DESC": ("U", "BLOCK_DV"), "Q_DESC": ("T", "BLOCK_D"),
@@ -155,14 +155,16 @@ def main(names):
         if fn is kernels.na_bwd_dkdv_kernel:
             rows = constexprs["T0"] * constexprs["T1"] * constexprs["T2"]
             constexprs = dict(constexprs, BISECT=12, QUERY_ROWS=rows >= 64)
+        if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):
+            # RPB comes as precomputed bias tiles (the launcher's choice at a positive scale)
+            constexprs = dict(constexprs, BIAS_TILES=constexprs["HAS_RPB"])
         if fn is kernels.na_fwd_kernel:
-            constexprs = dict(constexprs, FOLD_SCALE=not constexprs["HAS_RPB"], STORE_LSE=True)
+            constexprs = dict(constexprs, FOLD_SCALE=True, STORE_LSE=True)
         if fn is kernels.na_bwd_dq_kernel:  # dS in window layout goes with RPB (its gradient)
             constexprs = dict(constexprs, STORE_DS=constexprs["HAS_RPB"], DS_ATOMIC=constexprs["HAS_RPB"])
         if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):
-            # the mask as the score dot's initial value in the 3-D cases (the forward only without RPB)
-            constexprs = dict(constexprs, MASK_IN_DOT=constexprs["ACT0"] and not (
-                fn is kernels.na_fwd_kernel and constexprs["HAS_RPB"]))
+            # the mask as the score dot's initial value in the 3-D cases and with bias tiles (which hold it)
+            constexprs = dict(constexprs, MASK_IN_DOT=constexprs["ACT0"] or constexprs["BIAS_TILES"])
         if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):
             constexprs = dict(constexprs, HOST_DESC=name.endswith("-host"))
         if fn is not kernels.na_bwd_drpb_kernel:

@@ -168,6 +168,7 @@ def main():
     ap.add_argument("--lse", action="store_true", help="fwd: store lse (training; ops.bench's forward does not)")
     ap.add_argument("--dump", metavar="FILE", help="also write the whole SASS listing to FILE")
     ap.add_argument("--mask-in-dot", action="store_true", help="masks as the score matmul's initial value")
+    ap.add_argument("--gather-rpb", action="store_true", help="with --rpb: gather the bias per element (no bias tiles)")
     args = ap.parse_args()
 
     b, h, d, spatial, kernel_size, stride, dilation, causal = parse_problem(args.problem)
@@ -181,16 +182,19 @@ def main():
     block = max(16, 1 << (d - 1).bit_length())
     constexprs = cc.window_constexprs(len(spatial), q_tile, kv_tile, block, block, args.rpb, pad3(causal, False))
     constexprs["TMA"] = args.tma
+    # with RPB the scores start from precomputed bias tiles (which hold the mask), unless --gather-rpb
+    tiles = args.rpb and not args.gather_rpb
+    constexprs["BIAS_TILES"] = tiles
     if args.kernel == "fwd":
-        constexprs.update(FOLD_SCALE=not args.rpb, HOST_DESC=args.tma and args.host_desc, STORE_LSE=args.lse,
-                          MASK_IN_DOT=args.mask_in_dot and not args.rpb)
+        constexprs.update(FOLD_SCALE=tiles or not args.rpb, HOST_DESC=args.tma and args.host_desc, STORE_LSE=args.lse,
+                          MASK_IN_DOT=tiles or (args.mask_in_dot and not args.rpb))
     elif args.kernel == "dq":  # with RPB, dQ stores dS in window layout for its gradient (ops/fused/rpb_grad.py)
         constexprs.update(HOST_DESC=args.tma and args.host_desc, STORE_DS=args.rpb, DS_ATOMIC=args.rpb,
-                          MASK_IN_DOT=args.mask_in_dot)
+                          MASK_IN_DOT=tiles or args.mask_in_dot)
     elif args.kernel == "dkdv":
         groups = [-(-L // dl) for L, dl in zip(spatial, dilation)]
         constexprs.update(BISECT=max(g.bit_length() for g in groups), QUERY_ROWS=math.prod(q_tile) >= 64,
-                          HOST_DESC=args.tma and args.host_desc, MASK_IN_DOT=args.mask_in_dot)
+                          HOST_DESC=args.tma and args.host_desc, MASK_IN_DOT=tiles or args.mask_in_dot)
     constexprs = cc.launcher_defaults(fn, constexprs)
     ints = int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer)
     sass, compiled = build(fn, constexprs, ints, args.warps, args.stages, args.maxnreg, cc)

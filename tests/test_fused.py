@@ -161,6 +161,53 @@ def test_small_tiles_forward_backward(p, tma, query_rows, monkeypatch):
     assert all(plan.dkdv.meta["QUERY_ROWS"] == query_rows for plan in launch._BACKWARD.values())
 
 
+# RPB problems with several boxes per program: masked and unmasked boxes, dilation groups of two lengths, GQA, 3-D.
+RPB_CASES = [
+    _fixed((12, 10), (7, 3), rpb=True, dim=24, heads=1),
+    _fixed((11, 8), (5, 3), d=(2, 1), rpb=True),  # GQA: 2 query heads, 1 kv
+    pytest.param(_fixed((4, 6, 8), (3, 3, 5), d=(1, 2, 1), rpb=True, heads=4, heads_kv=2, batch=2),
+                 marks=pytest.mark.slow),
+]
+RPB_PATHS = [(True, False), (True, True), (False, False)]
+
+
+@pytest.mark.parametrize("bias_tiles, query_rows", RPB_PATHS, ids=["tiles-key-rows", "tiles-query-rows", "gather"])
+@pytest.mark.parametrize("p", RPB_CASES, ids=lambda p: f"{p.spatial}-K{p.kernel_size}-d{p.dilation}")
+def test_rpb_from_bias_tiles_and_by_gather(p, bias_tiles, query_rows, monkeypatch):
+    """RPB enters the scores either as precomputed per-box tiles that also carry the window mask (``BIAS_TILES``,
+    forward, dQ and both dK/dV orientations) or gathered per element; both match the oracle, forward and backward,
+    and the plans record which path they took."""
+    monkeypatch.setattr(launch, "BIAS_TILES", bias_tiles)
+    monkeypatch.setattr(launch, "DKDV_QUERY_ROWS_FROM", 1 if query_rows else 1 << 30)
+    small = Config(16, 16, 4, 1)
+    with autotune.forced(fwd=small, dq=small, dkdv=small):
+        _run(p, torch.float32, grads=True, seed=2)
+    forward_plans, backward_plans = list(launch._FORWARD.values()), list(launch._BACKWARD.values())
+    assert forward_plans and backward_plans
+    for plan in forward_plans:
+        assert plan.launch.meta["BIAS_TILES"] == bias_tiles == (plan.bias_tiles is not None)
+    for plan in backward_plans:
+        assert plan.dq.meta["BIAS_TILES"] == plan.dkdv.meta["BIAS_TILES"] == bias_tiles
+        assert (plan.dq_bias_tiles is not None) == (plan.dkdv_bias_tiles is not None) == bias_tiles
+        assert plan.dkdv.meta["QUERY_ROWS"] == query_rows
+
+
+def test_bias_tiles_of_16_bit_inputs_saturate():
+    """16-bit inputs get float16 bias tiles; an RPB value past float16's range saturates there rather than
+    becoming an infinity (which would turn the softmax into NaN): a huge bias on the query's own position still
+    puts all its weight on its own value, as the oracle does."""
+    p = _fixed((6, 7), (3, 3), rpb=True, heads=2, heads_kv=2)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v, rpb = p.tensors(dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    rpb = rpb.detach().float()
+    rpb[:, 2, 2] = 1e6  # offset (0, 0): the query's own key
+    out = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), rpb=rpb, backend="fused")
+    plan, = launch._FORWARD.values()
+    assert plan.bias_tiles[2] == torch.float16
+    assert torch.isfinite(out).all()
+    assert torch.equal(out.cpu(), v.cpu())
+
+
 HOST_DESC_CASES = [
     (_fixed((6, 9), (3, 5), c=(True, False), dim=32, dim_v=16, heads=4, heads_kv=2, batch=2), True),  # GQA, 2 batches
     (_fixed((6, 9), (3, 5), d=(2, 1), dim=32, heads=2), False),  # dilation

@@ -78,3 +78,19 @@ def test_choose_tiles_returns_the_requested_sizes():
             assert len(outer) == len(inner) == 3
             assert outer[0] * outer[1] * outer[2] == outer_size
             assert inner[0] * inner[1] * inner[2] == inner_size
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_max_boxes_is_the_longest_program_loop(inverse):
+    """``max_boxes`` (the bias tiles reserved per program) is the most inner tiles any one program visits: the
+    product over the axes of each axis' longest loop, by brute force."""
+    axes = list(random_axes(40, seed=7 + int(inverse)))
+    for first, second in zip(axes[::2], axes[1::2]):
+        longest = 1
+        for L, K, s, causal, outer, inner in (first, second):
+            visits = brute_force_iterations(L, K, s, causal, outer, inner, inverse)
+            per_program = [sum(1 for o, _ in visits if o == start) for start in range(0, L, outer)]
+            longest *= max(per_program)
+        pair = [tiles.Axis(L, K, s, causal) for L, K, s, causal, _, _ in (first, second)]
+        got = tiles.max_boxes(pair, (first[4], second[4]), (first[5], second[5]), inverse)
+        assert got == max(longest, 1), (first, second)

@@ -600,22 +600,161 @@ def _head_dims(BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM, VALUE_DI
     return offs_d, offs_dv, offs_d < HEAD_DIM, offs_dv < VALUE_DIM
 
 
+@triton.jit
+def _box_offsets(ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Row-major offsets of a [ROWS, COLS] tile."""
+    return tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+
+
+@triton.jit
+def _program_tiles(BIAS, h, BOXES, BOX: tl.constexpr):
+    """Where the bias tiles of this program (grid axis 0) and query head ``h`` start: ``BOXES`` tiles of ``BOX``
+    elements per program and head."""
+    return BIAS + (h * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * (BOXES * BOX)
+
+
+@triton.jit
+def _bias_tile(table, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, K0, K1, K2,
+               ACT0: tl.constexpr, ACT1: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """[queries, keys] (or [keys, queries] when ``TRANSPOSED``): ``log2(e) * rpb`` at each pair's offset inside the
+    query's window, -inf outside."""
+    bias = tl.load(table + _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)) * LOG2E_C
+    if TRANSPOSED:
+        bias = tl.trans(bias)
+    return _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, TRANSPOSED) + bias
+
+
+@triton.jit
+def _tile_value(bias, inv_qk_scale, BIAS):
+    """A bias tile as stored: divided by the score scale, in the table's dtype.  A 16-bit table is float16
+    (``launch.bias_tiles_dtype``): finite values saturate at its range instead of turning into infinities."""
+    bias = bias * inv_qk_scale
+    if BIAS.dtype.element_ty == tl.float16:
+        bias = tl.where(bias == float("-inf"), bias, tl.minimum(tl.maximum(bias, -65504.0), 65504.0))
+    return bias.to(BIAS.dtype.element_ty)
+
+
+@triton.jit
+def na_bias_tiles_kernel(
+    RPB, BIAS, HQ, inv_qk_scale,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2, BOXES,
+    CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
+    ACT0: tl.constexpr, ACT1: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+    U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+):
+    """The score bias of every box a query-tile program visits, shared by the whole batch: ``BIAS[h, program, box]``
+    is a [queries, keys] tile holding ``log2(e) * rpb`` at each pair's offset where the key lies in the query's window
+    and -inf elsewhere, divided by the score scale (the kernels add it to the unscaled scores).  Grid: the query-tile
+    programs of the kernel that reads it (axis 0) by heads (axis 1); ``BOXES`` tiles per program, the most any visits.
+    Precomputing it turns the per-element gather and window compares of every batch element into one contiguous load
+    of a table that stays in L2."""
+    g0, tile0, g1, tile1, g2, tile2, b, h, Lg0, Lg1, Lg2 = _program_group(NT0, NT1, NT2, D0, D1, D2, L0, L1, L2, HQ,
+                                                                         ACT0, ACT1)
+    (q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2,
+     lo0, hi0, in_lo0, in_hi0, lo1, hi1, in_lo1, in_hi1, lo2, hi2, in_lo2, in_hi2) = _query_tile(
+        tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
+        CAUSAL0, CAUSAL1, CAUSAL2, T0, T1, T2, False)
+    c0, c1, c2 = _tile_coords(U0, U1, U2)
+    box = T0 * T1 * T2 * U0 * U1 * U2
+    out = _program_tiles(BIAS, h, BOXES, box)
+    offs = _box_offsets(T0 * T1 * T2, U0 * U1 * U2)
+    table = RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1))
+    n0 = tl.cdiv(hi0 - lo0, U0)
+    n1 = tl.cdiv(hi1 - lo1, U1)
+    n2 = tl.cdiv(hi2 - lo2, U2)
+    i0 = 0
+    i1 = 0
+    i2 = 0
+    for t in range(0, n0 * n1 * n2):
+        kj0 = lo0 + i0 * U0 + c0
+        kj1 = lo1 + i1 * U1 + c1
+        kj2 = lo2 + i2 * U2 + c2
+        i0, i1, i2 = _next_tile(i0, i1, i2, n1, n2, ACT0, ACT1)
+        bias = _bias_tile(table, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, K0, K1,
+                          K2, ACT0, ACT1, False)
+        tl.store(out + t * box + offs, _tile_value(bias, inv_qk_scale, BIAS))
+
+
+@triton.jit
+def na_bias_tiles_inverse_kernel(
+    RPB, BIAS, HQ, inv_qk_scale,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NU0, NU1, NU2, BOXES,
+    CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
+    ACT0: tl.constexpr, ACT1: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+    U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, BISECT: tl.constexpr, QUERY_ROWS: tl.constexpr,
+):
+    """``na_bias_tiles_kernel`` for dK/dV's loops: a key-tile program (axis 0) visits the query tiles whose windows
+    reach it; its tiles are [keys, queries] ([queries, keys] where ``QUERY_ROWS``), one set per query head (axis 1)."""
+    g0, tile0, g1, tile1, g2, tile2, b, h, Lg0, Lg1, Lg2 = _program_group(NU0, NU1, NU2, D0, D1, D2, L0, L1, L2, HQ,
+                                                                         ACT0, ACT1)
+    c0, c1, c2 = _tile_coords(U0, U1, U2)
+    k0 = tile0 * U0
+    k1 = tile1 * U1
+    k2 = tile2 * U2
+    n0, n1, n2, ql0, ql1, ql2 = _reaching_tiles(k0, k1, k2, Lg0, Lg1, Lg2, K0, K1, K2, S0, S1, S2, CAUSAL0, CAUSAL1,
+                                                CAUSAL2, T0, T1, T2, U0, U1, U2, BISECT)
+    r0, r1, r2 = _tile_coords(T0, T1, T2)
+    box = T0 * T1 * T2 * U0 * U1 * U2
+    out = _program_tiles(BIAS, h, BOXES, box)
+    if QUERY_ROWS:
+        offs = _box_offsets(T0 * T1 * T2, U0 * U1 * U2)
+    else:
+        offs = _box_offsets(U0 * U1 * U2, T0 * T1 * T2)
+    table = RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1))
+    i0 = 0
+    i1 = 0
+    i2 = 0
+    for t in range(0, n0 * n1 * n2):
+        q0 = ql0 + i0 * T0
+        q1 = ql1 + i1 * T1
+        q2 = ql2 + i2 * T2
+        i0, i1, i2 = _next_tile(i0, i1, i2, n1, n2, ACT0, ACT1)
+        q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2 = _query_rows(
+            q0, q1, q2, r0, r1, r2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2,
+            CAUSAL0, CAUSAL1, CAUSAL2, False)
+        bias = _bias_tile(table, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, k0 + c0, k1 + c1,
+                          k2 + c2, K0, K1, K2, ACT0, ACT1, not QUERY_ROWS)
+        tl.store(out + t * box + offs, _tile_value(bias, inv_qk_scale, BIAS))
+
+
+@triton.jit
+def _reaching_tiles(k0, k1, k2, Lg0, Lg1, Lg2, K0, K1, K2, S0, S1, S2, CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr,
+                    CAUSAL2: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, U0: tl.constexpr,
+                    U1: tl.constexpr, U2: tl.constexpr, BISECT: tl.constexpr):
+    """Inverse neighborhood of the key tile at (k0, k1, k2): per axis the query tiles whose windows reach any of its
+    keys, as a count and a first query."""
+    ql0 = first_query_reaching(k0, Lg0, K0, S0, CAUSAL0, BISECT)
+    qh0 = last_query_reaching(tl.minimum(k0 + U0, Lg0) - 1, Lg0, K0, S0, CAUSAL0, BISECT) + 1
+    ql1 = first_query_reaching(k1, Lg1, K1, S1, CAUSAL1, BISECT)
+    qh1 = last_query_reaching(tl.minimum(k1 + U1, Lg1) - 1, Lg1, K1, S1, CAUSAL1, BISECT) + 1
+    ql2 = first_query_reaching(k2, Lg2, K2, S2, CAUSAL2, BISECT)
+    qh2 = last_query_reaching(tl.minimum(k2 + U2, Lg2) - 1, Lg2, K2, S2, CAUSAL2, BISECT) + 1
+    n0 = tl.cdiv(tl.maximum(qh0 - ql0, 0), T0)
+    n1 = tl.cdiv(tl.maximum(qh1 - ql1, 0), T1)
+    n2 = tl.cdiv(tl.maximum(qh2 - ql2, 0), T2)
+    return n0, n1, n2, ql0, ql1, ql2
+
+
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def na_fwd_kernel(
-    Q, Kp, V, RPB, O, LSE, K_DESC, V_DESC,
+    Q, Kp, V, RPB, O, LSE, K_DESC, V_DESC, BIAS,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, slb, slt,
     HQ, GROUP, HEAD_DIM, VALUE_DIM, qk_scale,
-    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2, BOXES,
     CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
     ACT0: tl.constexpr, ACT1: tl.constexpr,
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     FOLD_SCALE: tl.constexpr, TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_LSE: tl.constexpr,
-    MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr,
+    MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr, BIAS_TILES: tl.constexpr,
 ):
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (see ``_kv_sources``), else unused.
+    # BIAS_TILES: each box's RPB and window mask come ready from BIAS (``na_bias_tiles_kernel``, ``BOXES`` boxes per
+    # program), the score matmul's initial value; else BIAS is unused.
     # GATHER_ROWS: rows per step of ``_attend_by_offset`` (programs whose result holds a NaN / inf; see the top).
     g0, tile0, g1, tile1, g2, tile2, b, h, Lg0, Lg1, Lg2 = _program_group(NT0, NT1, NT2, D0, D1, D2, L0, L1, L2, HQ,
                                                                          ACT0, ACT1)
@@ -637,6 +776,9 @@ def na_fwd_kernel(
     m_i = tl.full([T0 * T1 * T2], float("-inf"), tl.float32)
     l_i = tl.zeros([T0 * T1 * T2], tl.float32)
     acc = tl.zeros([T0 * T1 * T2, BLOCK_DV], tl.float32)
+    if BIAS_TILES:
+        bias_ptr = _program_tiles(BIAS, h, BOXES, T0 * T1 * T2 * U0 * U1 * U2)
+        bias_offs = _box_offsets(T0 * T1 * T2, U0 * U1 * U2)
 
     n0 = tl.cdiv(hi0 - lo0, U0)
     n1 = tl.cdiv(hi1 - lo1, U1)
@@ -654,9 +796,13 @@ def na_fwd_kernel(
         kj2 = k2 + c2
         k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
-        # MASK_IN_DOT: the window mask is the score matmul's initial value, on every box (see launch.py)
-        s = _scores(q, k, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, False, MASK_IN_DOT,
-                    PREC)
+        if BIAS_TILES:
+            bias = tl.load(bias_ptr + t * (T0 * T1 * T2 * U0 * U1 * U2) + bias_offs).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), bias, input_precision=PREC)
+        else:
+            # MASK_IN_DOT: the window mask is the score matmul's initial value, on every box (see launch.py)
+            s = _scores(q, k, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, False,
+                        MASK_IN_DOT, PREC)
         if FOLD_SCALE:  # scale > 0, no bias: max of the raw logits, the scale folded into exp2's FMA
             s_scale = qk_scale
         else:
@@ -733,19 +879,20 @@ def na_bwd_delta_kernel(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def na_bwd_dq_kernel(
-    Q, Kp, V, RPB, DO, LSE, DELTA, DQ, K_DESC, V_DESC, DSW,
+    Q, Kp, V, RPB, DO, LSE, DELTA, DQ, K_DESC, V_DESC, DSW, BIAS,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt, sgb, sgt, sgh, swb, swt, swh,
     HQ, GROUP, HEAD_DIM, VALUE_DIM, qk_scale, scale,
-    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2, BOXES,
     CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
     ACT0: tl.constexpr, ACT1: tl.constexpr,
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_DS: tl.constexpr, DS_ATOMIC: tl.constexpr,
-    MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr,
+    MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr, BIAS_TILES: tl.constexpr,
 ):
     # lse and delta share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
+    # BIAS_TILES: the boxes' RPB and window mask come from BIAS (``na_bias_tiles_kernel``), else it is unused.
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (as in the forward), else unused.
     # ``STORE_DS``: also writes dS in window layout, DSW[b, token, h, slot] (float32, strides swb, swt, swh; slot =
     # row-major position of the key in the query's window), from which the host sums the RPB gradient by offset
@@ -774,6 +921,9 @@ def na_bwd_dq_kernel(
                                                    D2, L1, L2, Lg0, Lg1, Lg2, skt, svt, skh, svh, HEAD_DIM, VALUE_DIM,
                                                    U0, U1, U2, BLOCK_D, BLOCK_DV, TMA, HOST_DESC)
     dq = tl.zeros([T0 * T1 * T2, BLOCK_D], tl.float32)
+    if BIAS_TILES:
+        bias_ptr = _program_tiles(BIAS, h, BOXES, T0 * T1 * T2 * U0 * U1 * U2)
+        bias_offs = _box_offsets(T0 * T1 * T2, U0 * U1 * U2)
 
     n0 = tl.cdiv(hi0 - lo0, U0)
     n1 = tl.cdiv(hi1 - lo1, U1)
@@ -791,9 +941,13 @@ def na_bwd_dq_kernel(
         kj2 = k2 + c2
         k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
-        p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
-                              in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
-                              stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT, PREC)
+        if BIAS_TILES:
+            bias = tl.load(bias_ptr + t * (T0 * T1 * T2 * U0 * U1 * U2) + bias_offs).to(tl.float32)
+            p = tl.math.exp2(tl.dot(q, tl.trans(k), bias, input_precision=PREC) * qk_scale - lse2[:, None])
+        else:
+            p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
+                                  in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
+                                  stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT, PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         if STORE_DS:
@@ -818,20 +972,21 @@ def na_bwd_dq_kernel(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def na_bwd_dkdv_kernel(
-    Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV, K_DESC, V_DESC, Q_DESC, DO_DESC,
+    Q, Kp, V, RPB, DO, LSE, DELTA, DK, DV, K_DESC, V_DESC, Q_DESC, DO_DESC, BIAS,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt,
     skgb, skgt, skgh, svgb, svgt, svgh,
     HKV, GROUP, HEAD_DIM, VALUE_DIM, qk_scale, scale,
-    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NU0, NU1, NU2,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NU0, NU1, NU2, BOXES,
     CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
     ACT0: tl.constexpr, ACT1: tl.constexpr,
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     BISECT: tl.constexpr, TMA: tl.constexpr, QUERY_ROWS: tl.constexpr, HOST_DESC: tl.constexpr,
-    MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr,
+    MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr, BIAS_TILES: tl.constexpr,
 ):
     # The program tile is a KV tile (U0, U1, U2); the inner loop runs over query tiles (T0, T1, T2).
+    # BIAS_TILES: the boxes' RPB and window mask come from BIAS (``na_bias_tiles_inverse_kernel``), else it is unused.
     # dK/dV have their own strides (k/v may be strided views).  GQA: the query heads of this kv head are
     # summed in the same loop.  ``HOST_DESC``: K/V (box U) and Q/dO (box T) descriptors built on the host over
     # ``[B, L0, L1, L2, heads * D]``, as the forward's (else the four are unused).
@@ -861,16 +1016,16 @@ def na_bwd_dkdv_kernel(
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, False)
 
     # Inverse neighborhood: queries whose windows reach any key of this tile, per axis.
-    ql0 = first_query_reaching(k0, Lg0, K0, S0, CAUSAL0, BISECT)
-    qh0 = last_query_reaching(tl.minimum(k0 + U0, Lg0) - 1, Lg0, K0, S0, CAUSAL0, BISECT) + 1
-    ql1 = first_query_reaching(k1, Lg1, K1, S1, CAUSAL1, BISECT)
-    qh1 = last_query_reaching(tl.minimum(k1 + U1, Lg1) - 1, Lg1, K1, S1, CAUSAL1, BISECT) + 1
-    ql2 = first_query_reaching(k2, Lg2, K2, S2, CAUSAL2, BISECT)
-    qh2 = last_query_reaching(tl.minimum(k2 + U2, Lg2) - 1, Lg2, K2, S2, CAUSAL2, BISECT) + 1
-    n0 = tl.cdiv(tl.maximum(qh0 - ql0, 0), T0)
-    n1 = tl.cdiv(tl.maximum(qh1 - ql1, 0), T1)
-    n2 = tl.cdiv(tl.maximum(qh2 - ql2, 0), T2)
+    n0, n1, n2, ql0, ql1, ql2 = _reaching_tiles(k0, k1, k2, Lg0, Lg1, Lg2, K0, K1, K2, S0, S1, S2, CAUSAL0, CAUSAL1,
+                                                CAUSAL2, T0, T1, T2, U0, U1, U2, BISECT)
     n_tiles = n0 * n1 * n2
+    if BIAS_TILES:  # this program's tiles of query head h start at bias_ptr + (h - hk * GROUP) * stride
+        bias_ptr = _program_tiles(BIAS, hk * GROUP, BOXES, T0 * T1 * T2 * U0 * U1 * U2)
+        bias_head = tl.num_programs(0).to(tl.int64) * (BOXES * T0 * T1 * T2 * U0 * U1 * U2)
+        if QUERY_ROWS:
+            bias_offs = _box_offsets(T0 * T1 * T2, U0 * U1 * U2)
+        else:
+            bias_offs = _box_offsets(U0 * U1 * U2, T0 * T1 * T2)
 
     r0, r1, r2 = _tile_coords(T0, T1, T2)
     if TMA and not HOST_DESC:  # the GROUP query heads of this kv head are the leading axis of the Q / dO descriptors
@@ -924,12 +1079,18 @@ def na_bwd_dkdv_kernel(
         _, _, in_lo0, in_hi0 = _axis_span(q0, T0, Lg0, K0, S0, CAUSAL0)
         _, _, in_lo1, in_hi1 = _axis_span(q1, T1, Lg1, K1, S1, CAUSAL1)
         _, _, in_lo2, in_hi2 = _axis_span(q2, T2, Lg2, K2, S2, CAUSAL2)
+        if BIAS_TILES:
+            bias = tl.load(bias_ptr + (h - hk * GROUP) * bias_head + (t - (h - hk * GROUP) * n_tiles) * (
+                T0 * T1 * T2 * U0 * U1 * U2) + bias_offs).to(tl.float32)
         if QUERY_ROWS:
             # [queries, keys]: k and v are the B operands of the two score matmuls, so they stay in shared
             # memory for the whole loop; p and ds go to the dV / dK matmuls transposed.
-            p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1, k2,
-                                  in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
-                                  stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT, PREC)
+            if BIAS_TILES:
+                p = tl.math.exp2(tl.dot(q, tl.trans(k), bias, input_precision=PREC) * qk_scale - lse2[:, None])
+            else:
+                p = _recomputed_probs(q, k, lse2, qk_scale, RPB, h, qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2, k0, k1,
+                                      k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1,
+                                      start2, stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT, PREC)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
@@ -938,12 +1099,15 @@ def na_bwd_dkdv_kernel(
             # [keys, queries]: k and v are A operands (read from shared memory), p and ds stay in registers as
             # the A operands of the dV / dK matmuls; a query tile of fewer than 64 rows still fills wgmma's
             # 64-row minimum here, because the keys are the rows.
-            st = _scores(k, q, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, True,
-                         MASK_IN_DOT, PREC) * qk_scale
-            if HAS_RPB:
-                ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
-                bias = tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx)
-                st += tl.trans(bias) * LOG2E_C
+            if BIAS_TILES:
+                st = tl.dot(k, tl.trans(q), bias, input_precision=PREC) * qk_scale
+            else:
+                st = _scores(k, q, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, True,
+                             MASK_IN_DOT, PREC) * qk_scale
+                if HAS_RPB:
+                    ridx = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2)
+                    bias = tl.load(RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)) + ridx)
+                    st += tl.trans(bias) * LOG2E_C
             pt = tl.math.exp2(st - lse2[None, :])
             if not MASK_IN_DOT:
                 pt = _mask_outside(pt, 0.0, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,

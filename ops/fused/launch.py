@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import autotune, kernels, rpb_grad
-from .tiles import axes_of, partial_axes
+from .tiles import axes_of, max_boxes, partial_axes
 from ..window import NAParams
 
 # Deterministic dRPB writes one partial row per program; above this many bytes it uses atomics
@@ -342,6 +343,7 @@ class ForwardPlan:
     as_tokens: bool  # the inputs need ``_tokens`` copies (strided spatial axes, bfloat16 under the interpreter)
     rpb_direct: bool  # the rpb tensor is the kernels' table as it is (float32, contiguous, one launch)
     host_desc_layouts: tuple | None = None  # (K/V layouts,) of host-built descriptors, rebuilt per call
+    bias_tiles: tuple | None = None  # (launch, elements, dtype) of the per-box RPB tiles (``na_bias_tiles_kernel``)
 
     @property
     def launch(self) -> _Launch:
@@ -352,7 +354,7 @@ class ForwardPlan:
 def _forward_key(q, k, v, rpb, params, scale, need_lse):
     # k / v alignment decides whether their tiles can be bulk copies (tma_eligible)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], q.dtype, q.device,
-            _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse, autotune.state(),
+            _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse, BIAS_TILES, autotune.state(),
             autotune.dot_precision(q.dtype))
 
 
@@ -369,9 +371,44 @@ def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True)
     if plan.as_tokens:
         q, k, v = _tokens(q, plan.tokens), _tokens(k, plan.tokens), _tokens(v, plan.tokens)
     bias = q if table is None else table  # (a stand-in without RPB: the kernel does not read it)
+    tiles = _bias_tiles(plan.bias_tiles, table, q)
     _run_chunks(plan.launches, (q, k, v, bias, out, out if lse is None else lse,
-                                *descriptor_args(q, plan.host_desc_layouts, (k, v))))
+                                *descriptor_args(q, plan.host_desc_layouts, (k, v)), tiles))
     return out, lse
+
+
+def _bias_tiles(spec, table, stand_in):
+    """The per-box RPB tiles of this call's rpb (``spec``: the plan's ``bias_tiles``), or ``stand_in`` without."""
+    if spec is None:
+        return stand_in
+    launch, numel, dtype = spec
+    tiles = _empty((numel,), dtype, stand_in.device)
+    launch((table, tiles))
+    return tiles
+
+
+# The kernels read each box's RPB and window mask as one contiguous tile of a table built per call
+# (``kernels.na_bias_tiles_kernel``) wherever there is an RPB and the scale is positive, instead of gathering the bias
+# per element: the table is shared by the batch and stays in L2.  NAT-Tiny's stages on an H100 (docs/fused.md):
+# forward 3-4x less RPB overhead.  Off: the per-element gather (the tests run both).
+BIAS_TILES = os.environ.get("NAMODELS_BIAS_TILES", "1") != "0"
+
+
+def bias_tiles_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The bias table's dtype: float32 for float32 inputs; float16 for 16-bit ones (half the bytes of float32, and
+    8x finer than bfloat16; RPB values beyond its range saturate)."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
+
+def _bias_tiles_spec(kernel, programs: int, heads: int, scale: float, window, boxes: int, meta: dict, tile: int,
+                     dtype, **extra):
+    """(launch, elements, dtype) of a kernel's bias tiles: ``boxes`` tiles of ``tile`` elements per program and
+    query head."""
+    tmeta = {name: meta[name] for name in ("CAUSAL0", "CAUSAL1", "CAUSAL2", "ACT0", "ACT1", "T0", "T1", "T2",
+                                           "U0", "U1", "U2")}
+    launch = _Launch(kernel, (programs, heads), (heads, 1.0 / (scale * kernels.LOG2E), *window, boxes),
+                     tmeta | extra | dict(num_warps=4, num_stages=1))
+    return launch, heads * programs * boxes * tile, dtype
 
 
 def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -> ForwardPlan:
@@ -388,21 +425,29 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -
     host_desc = tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
     precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
     idx64 = needs_int64(q4, k4, v4, out4)
+    bias_tiles = BIAS_TILES and has_rpb and scale > 0
 
     @functools.cache  # the tuner runs each candidate many times
     def decide(config: autotune.Launch):
         window, programs = _window_args(params, config.outer_tile)
         meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, idx64, precision)
         # the row max is taken before scaling, which needs a positive scale
-        meta["FOLD_SCALE"] = scale > 0 and not has_rpb
-        meta["MASK_IN_DOT"] = meta["FOLD_SCALE"] and mask_in_dot(params, config, scale)
+        meta["BIAS_TILES"] = bias_tiles
+        meta["FOLD_SCALE"] = scale > 0 and (not has_rpb or meta["BIAS_TILES"])
+        meta["MASK_IN_DOT"] = meta["BIAS_TILES"] or (meta["FOLD_SCALE"] and mask_in_dot(params, config, scale))
         meta["TMA"] = config.tma and tma_ok
         meta["HOST_DESC"] = meta["TMA"] and host_desc
         meta["STORE_LSE"] = need_lse
+        boxes = max_boxes(axes_of(params), config.outer_tile[3 - params.rank:], config.inner_tile[3 - params.rank:])
         scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4), *lse_strides,
-                   hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window)
+                   hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window, boxes)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
-        return _chunked(kernels.na_fwd_kernel, programs, hq, b, scalars, meta), layouts
+        tiles = None
+        if bias_tiles:
+            tiles = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, hq, scale, window, boxes, meta,
+                                     math.prod(config.outer_tile) * math.prod(config.inner_tile),
+                                     bias_tiles_dtype(q.dtype))
+        return _chunked(kernels.na_fwd_kernel, programs, hq, b, scalars, meta), layouts, tiles
 
     @functools.cache
     def tuning_outputs():
@@ -410,16 +455,17 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -
                 torch.empty((b, n, hq), dtype=torch.float32, device=q.device))
 
     def run_candidate(config: autotune.Launch):
-        launches, layouts = decide(config)
+        launches, layouts, tiles = decide(config)
         table, out, lse = tuning_outputs()
-        _run_chunks(launches, (q4, k4, v4, table, out, lse, *descriptor_args(q4, layouts, (k4, v4))))
+        _run_chunks(launches, (q4, k4, v4, table, out, lse, *descriptor_args(q4, layouts, (k4, v4)),
+                               _bias_tiles(tiles, table, q4)))
 
     config = autotune.pick("fwd", q, k, v, params, has_rpb, run_candidate, tma=tma_ok, host_descriptors=host_desc)
-    launches, layouts = decide(config)
+    launches, layouts, tiles = decide(config)
     direct = _same_memory(((q4, q), (k4, k), (v4, v)))
     return ForwardPlan(launches, n, (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
                        as_tokens=not direct, rpb_direct=_rpb_direct(rpb) and len(launches) == 1,
-                       host_desc_layouts=layouts)
+                       host_desc_layouts=layouts, bias_tiles=tiles)
 
 
 # --- backward -------------------------------------------------------------------------------------------------------
@@ -444,6 +490,8 @@ class BackwardPlan:
     drpb_atomic: bool = False
     dq_layouts: tuple | None = None  # (K/V layouts,) of dQ's host-built descriptors, if any
     dkdv_layouts: tuple | None = None  # (K/V, Q/dO layouts) of dK/dV's host-built descriptors, if any
+    dq_bias_tiles: tuple | None = None  # (launch, elements, dtype) of dQ's / dK/dV's bias tiles (see ``ForwardPlan``)
+    dkdv_bias_tiles: tuple | None = None
 
     @property
     def dq(self) -> _Launch:
@@ -460,7 +508,8 @@ def _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determini
     grads_layout = None if grads is None else tuple(g.stride() for g in grads)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], out.stride(), d_out.stride(),
             d_out.dtype, lse.dtype, lse.stride(), d_lse_layout, q.dtype, q.device, _rpb_layout(rpb), scale,
-            deterministic, want_drpb, alignment, grads_layout, autotune.state(), autotune.dot_precision(q.dtype))
+            deterministic, want_drpb, alignment, grads_layout, BIAS_TILES, autotune.state(),
+            autotune.dot_precision(q.dtype))
 
 
 def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
@@ -493,9 +542,11 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     ds = None if plan.ds_window is None else _window_ds_buffer(plan.ds_window, plan.ds_atomic, dev)
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
     _run_chunks(plan.dq_launches, (q, k, v, table, d_out, lse, delta, dq,
-                                   *descriptor_args(q, plan.dq_layouts, (k, v)), q if ds is None else ds))
+                                   *descriptor_args(q, plan.dq_layouts, (k, v)), q if ds is None else ds,
+                                   _bias_tiles(plan.dq_bias_tiles, table, q)))
     _run_chunks(plan.dkdv_launches, (q, k, v, table, d_out, lse, delta, dk, dvv,
-                                     *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out))))
+                                     *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out)),
+                                     _bias_tiles(plan.dkdv_bias_tiles, table, q)))
     total = None
     if plan.reduce is not None:
         total = rpb_grad.reduce_window_ds(ds.view(plan.ds_window), plan.params, plan.reduce)
@@ -539,6 +590,9 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     delta_launch = _delta_launch(o4, do4, dlse is not None)
+    bias_tiles = BIAS_TILES and has_rpb and scale > 0
+    tiles_dtype = bias_tiles_dtype(q.dtype)
+    axes = axes_of(params)
 
     @functools.cache  # the tuner runs each candidate many times
     def decide_dq(config):
@@ -548,11 +602,18 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         meta["HOST_DESC"] = meta["TMA"] and dq_host
         meta["STORE_DS"] = ds_shape is not None
         meta["DS_ATOMIC"] = ds_atomic
-        meta["MASK_IN_DOT"] = mask_in_dot(params, config, scale)
+        meta["BIAS_TILES"] = bias_tiles
+        meta["MASK_IN_DOT"] = bias_tiles or mask_in_dot(params, config, scale)
+        pad = 3 - params.rank
+        boxes = max_boxes(axes, config.outer_tile[pad:], config.inner_tile[pad:])
         scalars = (*common, *_strides(grads[0]), *_window_ds_strides(ds_shape, ds_atomic), hq,
-                   hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
+                   hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, boxes)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
-        return _chunked(kernels.na_bwd_dq_kernel, programs, hq, b, scalars, meta), layouts
+        tiles = None
+        if bias_tiles:
+            tiles = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, hq, scale, window, boxes, meta,
+                                     math.prod(config.outer_tile) * math.prod(config.inner_tile), tiles_dtype)
+        return _chunked(kernels.na_bwd_dq_kernel, programs, hq, b, scalars, meta), layouts, tiles
 
     @functools.cache
     def decide_dkdv(config):
@@ -563,14 +624,22 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         meta["TMA"] = config.tma and dkdv_tma_ok
         meta["QUERY_ROWS"] = math.prod(config.inner_tile) >= DKDV_QUERY_ROWS_FROM
         meta["HOST_DESC"] = meta["TMA"] and dkdv_host
-        meta["MASK_IN_DOT"] = mask_in_dot(params, config, scale, inverse=True)
+        meta["BIAS_TILES"] = bias_tiles
+        meta["MASK_IN_DOT"] = bias_tiles or mask_in_dot(params, config, scale, inverse=True)
+        pad = 3 - params.rank
+        boxes = max_boxes(axes, config.outer_tile[pad:], config.inner_tile[pad:], inverse=True)
         scalars = (*common, *_strides(grads[1]), *_strides(grads[2]), hkv,
-                   hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window)
+                   hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, boxes)
         layouts = None
         if meta["HOST_DESC"]:  # K/V in boxes of the KV tile, Q/dO in boxes of the query tile
             layouts = (host_kv_layouts(params, k4, v4, config.outer_tile),
                        host_kv_layouts(params, q4, do4, config.inner_tile))
-        return _chunked(kernels.na_bwd_dkdv_kernel, programs, hkv, b, scalars, meta), layouts
+        tiles = None
+        if bias_tiles:
+            tiles = _bias_tiles_spec(kernels.na_bias_tiles_inverse_kernel, programs, hq, scale, window, boxes, meta,
+                                     math.prod(config.outer_tile) * math.prod(config.inner_tile), tiles_dtype,
+                                     BISECT=meta["BISECT"], QUERY_ROWS=meta["QUERY_ROWS"])
+        return _chunked(kernels.na_bwd_dkdv_kernel, programs, hkv, b, scalars, meta), layouts, tiles
 
     @functools.cache
     def tuning_inputs() -> dict:
@@ -586,30 +655,32 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
                     ds=None if ds_shape is None else _window_ds_buffer(ds_shape, ds_atomic, q.device))
 
     def run_dq(config):
-        launches, layouts = decide_dq(config)
+        launches, layouts, tiles = decide_dq(config)
         s = tuning_inputs()
         if ds_atomic and s["ds"] is not None:  # each candidate run adds from zero
             s["ds"].zero_()
         _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dq"],
-                               *descriptor_args(q4, layouts, (k4, v4)), q4 if s["ds"] is None else s["ds"]))
+                               *descriptor_args(q4, layouts, (k4, v4)), q4 if s["ds"] is None else s["ds"],
+                               _bias_tiles(tiles, s["table"], q4)))
 
     def run_dkdv(config):
-        launches, layouts = decide_dkdv(config)
+        launches, layouts, tiles = decide_dkdv(config)
         s = tuning_inputs()
         _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dk"], s["dv"],
-                               *descriptor_args(q4, layouts, (k4, v4), (q4, do4))))
+                               *descriptor_args(q4, layouts, (k4, v4), (q4, do4)), _bias_tiles(tiles, s["table"], q4)))
 
     config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
-    dq_launches, dq_layouts = decide_dq(config)
+    dq_launches, dq_layouts, dq_tiles = decide_dq(config)
     config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok, host_descriptors=dkdv_host)
-    dkdv_launches, dkdv_layouts = decide_dkdv(config)
+    dkdv_launches, dkdv_layouts, dkdv_tiles = decide_dkdv(config)
     pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
     if d_lse is not None:
         pairs += ((dlse, d_lse),)
     plan = BackwardPlan(delta_launch, dq_launches, dkdv_launches, (b, n, hq, hkv, d, dv), params,
                         as_tokens=not _same_memory(pairs),
                         rpb_direct=_rpb_direct(rpb) and len(dq_launches) == 1 == len(dkdv_launches),
-                        ds_window=ds_shape, ds_atomic=ds_atomic, dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts)
+                        ds_window=ds_shape, ds_atomic=ds_atomic, dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts,
+                        dq_bias_tiles=dq_tiles, dkdv_bias_tiles=dkdv_tiles)
     if ds_shape is not None:
         grid, scalars = rpb_grad.reduce_arguments(params, hq, rpb_grad.slot_tables(params, q.device)[1])
         plan.reduce = _Launch(kernels.na_drpb_window_kernel, grid, scalars,

@@ -97,6 +97,23 @@ def axis_loop(ax: Axis, outer: int, inner: int, inverse: bool) -> AxisLoop:
     return AxisLoop(-(-ax.Lg // outer), iterations, masked)
 
 
+def max_boxes(axes: list[Axis], outer: tuple, inner: tuple, inverse: bool = False) -> int:
+    """The most inner tiles any one program visits (``inverse``: dK/dV, whose outer tiles are keys)."""
+    most = 1
+    for ax, t, u in zip(axes, outer, inner):
+        starts, stops = _windows(ax)
+        counts = []
+        for o in range(0, ax.Lg, t):
+            if inverse:
+                ql = bisect.bisect_right(stops, o)
+                qh = bisect.bisect_right(starts, min(o + t, ax.Lg) - 1)
+                counts.append(-(-max(qh - ql, 0) // u))
+            else:
+                counts.append(-(-(stops[min(o + t, ax.Lg) - 1] - starts[o]) // u))
+        most *= max(counts)
+    return max(most, 1)
+
+
 def _loops(axes, outer, inner, inverse):
     return [axis_loop(a, t, u, inverse) for a, t, u in zip(axes, outer, inner)]
 
