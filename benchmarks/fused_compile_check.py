@@ -160,8 +160,9 @@ def main(names):
             constexprs = dict(constexprs, BIAS_TILES=constexprs["HAS_RPB"])
         if fn is kernels.na_fwd_kernel:
             constexprs = dict(constexprs, FOLD_SCALE=True, STORE_LSE=True)
-        if fn is kernels.na_bwd_dq_kernel:  # dS in window layout goes with RPB (its gradient)
-            constexprs = dict(constexprs, STORE_DS=constexprs["HAS_RPB"], DS_ATOMIC=constexprs["HAS_RPB"])
+        if fn is kernels.na_bwd_dq_kernel:  # with RPB dS goes to its gradient, in the bias tiles' layout
+            constexprs = dict(constexprs, STORE_DS=False, DS_ATOMIC=constexprs["HAS_RPB"],
+                              DS_BOXES=constexprs["HAS_RPB"])
         if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):
             # the mask as the score dot's initial value in the 3-D cases and with bias tiles (which hold it)
             constexprs = dict(constexprs, MASK_IN_DOT=constexprs["ACT0"] or constexprs["BIAS_TILES"])

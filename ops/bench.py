@@ -335,8 +335,9 @@ def kernel_floor_bytes(p: BenchProblem, elem: int) -> dict:
     """Bytes each fused kernel must move at least (its inputs read once, its outputs written once), by kernel
     name: T = one [B, N, H, D] tensor, L = one float32 value per query row (lse, delta), S = the float32 window-layout
     dS that dQ adds up over the batch (one value per token, head and window slot; it stays in L2, so dQ's floor
-    leaves it out, and the dRPB kernel reads it once).  The bias-tile kernels (RPB per box, shared by the batch) are
-named with no floor: their few microseconds are bound by their launch."""
+    leaves it out, and the dRPB kernel reads it once).  The bias-tile kernels (RPB per box, shared by the batch)
+and the dRPB reduction of dQ's tile-layout dS are named with no floor: their few microseconds are bound by their
+launch."""
     n = p.params.num_tokens
     rows = p.batch * n * p.heads
     t, lse = rows * p.dim * elem, rows * 4
@@ -349,6 +350,7 @@ named with no floor: their few microseconds are bound by their launch."""
         "na_drpb_window_kernel": ds,
         "na_bias_tiles_kernel": 0,
         "na_bias_tiles_inverse_kernel": 0,
+        "na_drpb_tiles_kernel": 0,
     }
 
 

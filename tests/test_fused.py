@@ -293,24 +293,25 @@ def test_int64_index_path(monkeypatch):
 
 
 def _record_drpb_paths(monkeypatch) -> list:
-    """The names of the dRPB paths the backward takes, in call order: ``reduce_window_ds`` (per call) or
-    ``_drpb_launch`` (the offset pass, planned on a problem's first call)."""
+    """The names of the dRPB paths the backward takes, in call order: ``reduce_tile_ds`` / ``reduce_window_ds``
+    (per call) or ``_drpb_launch`` (the offset pass, planned on a problem's first call)."""
     from ops.fused import rpb_grad
 
     paths = []
-    for module, name in ((rpb_grad, "reduce_window_ds"), (launch, "_drpb_launch")):
+    for module, name in ((rpb_grad, "reduce_tile_ds"), (rpb_grad, "reduce_window_ds"), (launch, "_drpb_launch")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: paths.append(_name) or
                             _real(*a, **kw))
     return paths
 
 
-@pytest.mark.parametrize("mode", ["window-atomic", "window-stored", "partial-rows", "atomic"])
+@pytest.mark.parametrize("mode", ["tiles", "window-atomic", "window-stored", "partial-rows", "atomic"])
 def test_batch_chunks_and_drpb_modes(monkeypatch, mode):
-    """More batch x heads than one grid row holds (launches split by batch) and the four dRPB modes: dQ's dS in
-    window layout summed by offset (up to rpb_grad.WINDOW_BUFFER_BYTES), added over the batch by atomics or, when
-    deterministic, stored per batch element; above that the offset pass, with deterministic per-program rows or
-    atomics (above DRPB_PARTIAL_BYTES when determinism is off).  Every mode against the oracle."""
+    """More batch x heads than one grid row holds (launches split by batch) and the five dRPB modes: dQ's dS added
+    over the batch by atomics in the bias tiles' layout (the default) or, without bias tiles, in window layout;
+    stored per batch element in window layout when deterministic (both up to rpb_grad.WINDOW_BUFFER_BYTES); above
+    that the offset pass, with deterministic per-program rows or atomics (above DRPB_PARTIAL_BYTES when determinism
+    is off).  Every mode against the oracle."""
     from ops.fused import op, rpb_grad
 
     monkeypatch.setattr(launch, "MAX_GRID_Y", 4)  # 2 heads: two batch elements per launch
@@ -321,15 +322,21 @@ def test_batch_chunks_and_drpb_modes(monkeypatch, mode):
         monkeypatch.setattr(rpb_grad, "WINDOW_BUFFER_BYTES", 0)
     if mode == "atomic":
         monkeypatch.setattr(launch, "DRPB_PARTIAL_BYTES", 0)
+    if mode in ("window-atomic", "atomic"):  # bias tiles would take the tile-layout path
+        monkeypatch.setattr(launch, "BIAS_TILES", False)
     _run(_fixed((6, 7), (3, 5), rpb=True, heads=2, heads_kv=1, batch=3), torch.float32, grads=True)
-    assert paths == ["reduce_window_ds" if mode.startswith("window") else "_drpb_launch"]
+    expected = {"tiles": "reduce_tile_ds", "window-atomic": "reduce_window_ds", "window-stored": "reduce_window_ds"}
+    assert paths == [expected.get(mode, "_drpb_launch")]
     if mode.startswith("window"):
-        assert _dq_ds_modes() == {(True, not deterministic)}
+        assert _dq_ds_modes() == {(True, not deterministic, False)}
+    if mode == "tiles":
+        assert _dq_ds_modes() == {(False, True, True)}
 
 
 def _dq_ds_modes() -> set:
-    """(STORE_DS, DS_ATOMIC) of every dQ launch plan built so far."""
-    return {(plan.dq.meta["STORE_DS"], plan.dq.meta["DS_ATOMIC"]) for plan in launch._BACKWARD.values()}
+    """(STORE_DS, DS_ATOMIC, DS_BOXES) of every dQ launch plan built so far."""
+    return {(plan.dq.meta["STORE_DS"], plan.dq.meta["DS_ATOMIC"], plan.dq.meta["DS_BOXES"])
+            for plan in launch._BACKWARD.values()}
 
 
 def test_drpb_reproducible_when_deterministic():
@@ -353,14 +360,14 @@ def test_drpb_reproducible_when_deterministic():
     finally:
         torch.use_deterministic_algorithms(before)
     assert torch.equal(first, second)
-    assert _dq_ds_modes() == {(True, False)}
-    torch.testing.assert_close(drpb(), first, rtol=1e-5, atol=1e-5)
-    assert _dq_ds_modes() == {(True, False), (True, True)}
+    assert _dq_ds_modes() == {(True, False, False)}
+    torch.testing.assert_close(drpb(), first, rtol=1e-5, atol=1e-5)  # the default: tile-layout atomics
+    assert _dq_ds_modes() == {(True, False, False), (False, True, True)}
 
 
 def test_drpb_after_candidate_runs(monkeypatch):
-    """The tuner runs dQ once per candidate before the chosen launch: with dS added by atomics, each run must start
-    from a zeroed buffer, or dRPB sums every run (checked against the oracle)."""
+    """The tuner runs dQ once per candidate before the chosen launch: with dS added by atomics (in tile or window
+    layout), each run must start from a zeroed buffer, or dRPB sums every run (checked against the oracle)."""
     real_pick = autotune.pick
 
     def pick_after_trials(kernel, q, k, v, params, has_rpb, run, *args, **kwargs):
@@ -386,7 +393,7 @@ def test_frozen_rpb_after_trained_rpb_keeps_inputs():
         q_before = q.detach().clone()
         ops.neighborhood_attention(len(p.spatial), q, k, v, **p.kwargs(), rpb=rpb, backend="fused").sum().backward()
         assert torch.equal(q.detach(), q_before)
-    assert _dq_ds_modes() == {(True, True), (False, True)}
+    assert _dq_ds_modes() == {(False, True, True), (False, True, False)}
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma-loads"])
@@ -638,7 +645,7 @@ def test_frozen_rpb_gets_no_gradient_kernel(monkeypatch, traced):
     # the same call with a trainable bias runs the kernel
     rpb_g = rpb.clone().requires_grad_()
     torch.autograd.grad(loss_of(*inputs, rpb_g), [inputs[0], rpb_g])
-    assert calls == ["reduce_window_ds"]  # a small problem: the window-layout path
+    assert calls == ["reduce_tile_ds"]
 
 
 def test_custom_op_opcheck():
@@ -1021,3 +1028,35 @@ def test_torch_compile_packed_qkv_forward_backward():
     targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert "namodels.fused_na_packed_backward.default" in targets
     assert not any("stack" in t or "cat" in t for t in targets)
+
+
+def _plan_launches(plan) -> list:
+    """Every kernel launch a forward or backward plan holds (batch chunks, bias tiles, delta, reductions)."""
+    found = []
+    for value in vars(plan).values():
+        if isinstance(value, launch._Launch):
+            found.append(value)
+        elif isinstance(value, tuple):
+            found += [item for item in value if isinstance(item, launch._Launch)]
+            found += [item[0] for item in value if isinstance(item, tuple) and item
+                      and isinstance(item[0], launch._Launch)]
+    return found
+
+
+def test_every_planned_launch_names_all_its_constexprs():
+    """A plan's compiled launch passes the constexprs in the kernel's order from the launch's ``meta`` and cannot
+    fall back on a default: every constexpr of every planned kernel (bias tiles, dRPB reductions included) is set."""
+    import inspect
+
+    _run(_fixed((6, 7), (3, 5), rpb=True, heads=2, batch=2), torch.float32, grads=True)
+    plans = list(launch._FORWARD.values()) + list(launch._BACKWARD.values())
+    launches = [item for plan in plans for item in _plan_launches(plan)]
+    kernels_seen = {item.kernel for item in launches}
+    assert {launch.kernels.na_bias_tiles_kernel, launch.kernels.na_bias_tiles_inverse_kernel,
+            launch.kernels.na_drpb_tiles_kernel} <= kernels_seen
+    for item in launches:
+        fn = getattr(item.kernel, "fn", item.kernel)
+        constexprs = [name for name, arg in inspect.signature(fn).parameters.items()
+                      if "constexpr" in str(arg.annotation)]
+        missing = [name for name in constexprs if name not in item.meta]
+        assert not missing, f"{fn.__name__}: {missing}"

@@ -97,7 +97,8 @@ def test_kernel_floor_bytes_count_each_tensor_once():
     floors = bench.kernel_floor_bytes(p, 2)
     assert floors == {"na_fwd_kernel": 4 * t, "na_bwd_delta_kernel": 2 * t + lse,
                       "na_bwd_dq_kernel": 5 * t + 2 * lse, "na_bwd_dkdv_kernel": 6 * t + 2 * lse,
-                      "na_drpb_window_kernel": ds, "na_bias_tiles_kernel": 0, "na_bias_tiles_inverse_kernel": 0}
+                      "na_drpb_window_kernel": ds, "na_bias_tiles_kernel": 0, "na_bias_tiles_inverse_kernel": 0,
+                      "na_drpb_tiles_kernel": 0}
     no_rpb = bench.kernel_floor_bytes(problems["nat-s3"], 2)
     assert no_rpb["na_drpb_window_kernel"] == 0 and no_rpb["na_bwd_dq_kernel"] == 5 * t + 2 * lse
 

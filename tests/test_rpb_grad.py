@@ -50,3 +50,24 @@ def test_window_path_limits(monkeypatch):
     assert not rpb_grad.window_path_ok(2, 2, small)
     monkeypatch.setattr(rpb_grad, "WINDOW_BUFFER_BYTES", bytes_needed)
     assert rpb_grad.window_path_ok(2, 2, small)
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_tile_reduction_matches_direct_sum(heads):
+    """dQ's tile-layout dS summed by relative offset through the gather index (``tile_gather_index``, rows padded
+    with -1; elements outside every window marked -1 are left out) equals a direct index_add over the offsets."""
+    gen = torch.Generator().manual_seed(1)
+    n_rel, elements = 25, 1000
+    offsets = torch.randint(-1, n_rel, (elements,), generator=gen, dtype=torch.int32)
+    offsets[offsets == 7] = -1  # an offset no element holds: its sum is zero
+    ds = torch.randn(heads * elements, generator=gen)
+    index = rpb_grad.tile_gather_index(offsets, n_rel)
+    assert index.dtype == torch.int32 and index.shape[0] == n_rel
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = rpb_grad.reduce_tile_ds(ds.to(device), index.to(device), heads).cpu()
+    valid = offsets >= 0
+    want = torch.zeros(heads, n_rel, dtype=torch.float64)
+    want.index_add_(1, offsets[valid].long(), ds.view(heads, elements)[:, valid].double())
+    assert got.shape == (heads, n_rel) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[:, 7], torch.zeros(heads))

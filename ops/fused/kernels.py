@@ -641,14 +641,18 @@ def na_bias_tiles_kernel(
     CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
     ACT0: tl.constexpr, ACT1: tl.constexpr,
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
-    U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+    U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, OFFSETS: tl.constexpr,
 ):
     """The score bias of every box a query-tile program visits, shared by the whole batch: ``BIAS[h, program, box]``
     is a [queries, keys] tile holding ``log2(e) * rpb`` at each pair's offset where the key lies in the query's window
     and -inf elsewhere, divided by the score scale (the kernels add it to the unscaled scores).  Grid: the query-tile
     programs of the kernel that reads it (axis 0) by heads (axis 1); ``BOXES`` tiles per program, the most any visits.
     Precomputing it turns the per-element gather and window compares of every batch element into one contiguous load
-    of a table that stays in L2."""
+    of a table that stays in L2.
+
+    ``OFFSETS``: instead, the int32 flat RPB offset of each (query, key) pair inside the query's window, -1 elsewhere
+    and on rows past the group (one set of tiles, ``HQ`` = 1, ``RPB`` unused): where dQ's tile-layout dS belongs in
+    dRPB (``rpb_grad.tile_gather_index``)."""
     g0, tile0, g1, tile1, g2, tile2, b, h, Lg0, Lg1, Lg2 = _program_group(NT0, NT1, NT2, D0, D1, D2, L0, L1, L2, HQ,
                                                                          ACT0, ACT1)
     (q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2,
@@ -671,9 +675,14 @@ def na_bias_tiles_kernel(
         kj1 = lo1 + i1 * U1 + c1
         kj2 = lo2 + i2 * U2 + c2
         i0, i1, i2 = _next_tile(i0, i1, i2, n1, n2, ACT0, ACT1)
-        bias = _bias_tile(table, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, K0, K1,
-                          K2, ACT0, ACT1, False)
-        tl.store(out + t * box + offs, _tile_value(bias, inv_qk_scale, BIAS))
+        if OFFSETS:
+            inside = _window_bias(start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, ACT0, ACT1, False) == 0.0
+            rel = _rpb_index(qc0, qc1, qc2, kj0, kj1, kj2, K0, K1, K2).to(tl.int32)
+            tl.store(out + t * box + offs, tl.where(inside & q_ok[:, None], rel, -1))
+        else:
+            bias = _bias_tile(table, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, K0,
+                              K1, K2, ACT0, ACT1, False)
+            tl.store(out + t * box + offs, _tile_value(bias, inv_qk_scale, BIAS))
 
 
 @triton.jit
@@ -890,9 +899,12 @@ def na_bwd_dq_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_DS: tl.constexpr, DS_ATOMIC: tl.constexpr,
     MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr, BIAS_TILES: tl.constexpr,
+    DS_BOXES: tl.constexpr,
 ):
     # lse and delta share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
     # BIAS_TILES: the boxes' RPB and window mask come from BIAS (``na_bias_tiles_kernel``), else it is unused.
+    # DS_BOXES (with BIAS_TILES): dS is added over the batch into DSW in the bias tiles' layout (whole tiles: contiguous
+    # atomics, no index arithmetic; ``rpb_grad.reduce_tile_ds`` sums it by offset), instead of STORE_DS's layout.
     # K_DESC / V_DESC: K/V descriptors built on the host where ``HOST_DESC`` (as in the forward), else unused.
     # ``STORE_DS``: also writes dS in window layout, DSW[b, token, h, slot] (float32, strides swb, swt, swh; slot =
     # row-major position of the key in the query's window), from which the host sums the RPB gradient by offset
@@ -950,6 +962,9 @@ def na_bwd_dq_kernel(
                                   stop2, U0, U1, U2, ACT0, ACT1, HAS_RPB, MASK_IN_DOT, PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
+        if DS_BOXES:  # zero outside the windows already (p = 0); rows past the group are dropped here
+            tl.atomic_add(_program_tiles(DSW, h, BOXES, T0 * T1 * T2 * U0 * U1 * U2) + t * (T0 * T1 * T2 * U0 * U1 * U2)
+                          + bias_offs, tl.where(q_ok[:, None], ds, 0.0), sem="relaxed")
         if STORE_DS:
             _store_window_ds(DSW + b.to(tl.int64) * swb + h * swh, ds, q_ok, q_tok, swt, kj0, kj1, kj2,
                              start0, stop0, start1, stop1, start2, stop2, K1, K2, DS_ATOMIC)
@@ -1247,6 +1262,21 @@ def na_drpb_window_kernel(DS, SLOTS, DRPB, N, H, S, L1, L2, W0, W1, W2, K1, K2, 
         slot = (s0 * K1 + s1) * K2 + s2
         acc += tl.load(DS + (n.to(tl.int64) * H + h) * S + slot, mask=held, other=0.0)
     tl.store(DRPB + h * (W0 * W1 * W2) + r, tl.sum(acc, 0))
+
+
+@triton.jit
+def na_drpb_tiles_kernel(DS, INDEX, DRPB, E, M, R, BLOCK: tl.constexpr):
+    """``DRPB[h, r] = sum_m DS[h * E + INDEX[r, m]]`` over the valid (>= 0) entries of row ``r`` of ``INDEX``
+    (``[R, M]``, ``rpb_grad.tile_gather_index``): dQ's tile-layout dS (``E`` elements per head) summed by relative
+    offset.  One program per (offset, head)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for m in range(0, M, BLOCK):
+        offs = m + tl.arange(0, BLOCK)
+        idx = tl.load(INDEX + r.to(tl.int64) * M + offs, mask=offs < M, other=-1)
+        acc += tl.load(DS + h.to(tl.int64) * E + idx, mask=idx >= 0, other=0.0)
+    tl.store(DRPB + h * R + r, tl.sum(acc, 0))
 
 
 def interpreted() -> bool:

@@ -403,7 +403,8 @@ def bias_tiles_dtype(dtype: torch.dtype) -> torch.dtype:
 def _bias_tiles_spec(kernel, programs: int, heads: int, scale: float, window, boxes: int, meta: dict, tile: int,
                      dtype, **extra):
     """(launch, elements, dtype) of a kernel's bias tiles: ``boxes`` tiles of ``tile`` elements per program and
-    query head."""
+    query head.  ``extra``: the generator's other constexprs, every one given (the compiled launch passes them in
+    order and skips defaults)."""
     tmeta = {name: meta[name] for name in ("CAUSAL0", "CAUSAL1", "CAUSAL2", "ACT0", "ACT1", "T0", "T1", "T2",
                                            "U0", "U1", "U2")}
     launch = _Launch(kernel, (programs, heads), (heads, 1.0 / (scale * kernels.LOG2E), *window, boxes),
@@ -446,7 +447,7 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -
         if bias_tiles:
             tiles = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, hq, scale, window, boxes, meta,
                                      math.prod(config.outer_tile) * math.prod(config.inner_tile),
-                                     bias_tiles_dtype(q.dtype))
+                                     bias_tiles_dtype(q.dtype), OFFSETS=False)
         return _chunked(kernels.na_fwd_kernel, programs, hq, b, scalars, meta), layouts, tiles
 
     @functools.cache
@@ -492,6 +493,8 @@ class BackwardPlan:
     dkdv_layouts: tuple | None = None  # (K/V, Q/dO layouts) of dK/dV's host-built descriptors, if any
     dq_bias_tiles: tuple | None = None  # (launch, elements, dtype) of dQ's / dK/dV's bias tiles (see ``ForwardPlan``)
     dkdv_bias_tiles: tuple | None = None
+    ds_tiles: int = 0  # elements of dQ's tile-layout dS where it gives dRPB (``rpb_grad.reduce_tile_ds``), else 0
+    tile_index: torch.Tensor | None = None  # that path's gather index [R, M]
 
     @property
     def dq(self) -> _Launch:
@@ -540,6 +543,8 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
         table = q  # a stand-in: without RPB the kernels do not read it
     delta = torch.empty((b, n, hq), dtype=torch.float32, device=dev)
     ds = None if plan.ds_window is None else _window_ds_buffer(plan.ds_window, plan.ds_atomic, dev)
+    if plan.ds_tiles:
+        ds = torch.zeros(plan.ds_tiles, dtype=torch.float32, device=dev)
     plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
     _run_chunks(plan.dq_launches, (q, k, v, table, d_out, lse, delta, dq,
                                    *descriptor_args(q, plan.dq_layouts, (k, v)), q if ds is None else ds,
@@ -548,7 +553,9 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
                                      *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out)),
                                      _bias_tiles(plan.dkdv_bias_tiles, table, q)))
     total = None
-    if plan.reduce is not None:
+    if plan.ds_tiles:
+        total = rpb_grad.reduce_tile_ds(ds, plan.tile_index, hq, plan.reduce)
+    elif plan.reduce is not None:
         total = rpb_grad.reduce_window_ds(ds.view(plan.ds_window), plan.params, plan.reduce)
     elif plan.drpb_launches is not None:
         partial = torch.zeros(plan.drpb_buffer, dtype=torch.float32, device=dev)
@@ -567,10 +574,13 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     lse3 = lse.reshape(b, n, hq).float().contiguous()
     dlse = d_lse.reshape(b, n, hq).float().contiguous() if d_lse is not None else None
     has_rpb = rpb is not None
-    # dRPB from dQ's dS in window layout where that buffer is small enough, else from the offset pass
-    ds_shape = None
+    bias_tiles = BIAS_TILES and has_rpb and scale > 0
+    # dRPB from dQ's dS: added over the batch in the bias tiles' layout (``rpb_grad.reduce_tile_ds``), else in window
+    # layout where that buffer is small enough, else from the offset pass
     ds_atomic = window_ds_atomic(deterministic)
-    if has_rpb and want_drpb and rpb_grad.window_path_ok(1 if ds_atomic else b, hq, params):
+    ds_tiles = bias_tiles and want_drpb and ds_atomic
+    ds_shape = None
+    if has_rpb and want_drpb and not ds_tiles and rpb_grad.window_path_ok(1 if ds_atomic else b, hq, params):
         ds_shape = rpb_grad.buffer_shape(1 if ds_atomic else b, hq, params)
     ds_meta = None if ds_shape is None else torch.empty(ds_shape, device="meta")
     given = grads is not None
@@ -590,7 +600,6 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     delta_launch = _delta_launch(o4, do4, dlse is not None)
-    bias_tiles = BIAS_TILES and has_rpb and scale > 0
     tiles_dtype = bias_tiles_dtype(q.dtype)
     axes = axes_of(params)
 
@@ -602,6 +611,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         meta["HOST_DESC"] = meta["TMA"] and dq_host
         meta["STORE_DS"] = ds_shape is not None
         meta["DS_ATOMIC"] = ds_atomic
+        meta["DS_BOXES"] = ds_tiles
         meta["BIAS_TILES"] = bias_tiles
         meta["MASK_IN_DOT"] = bias_tiles or mask_in_dot(params, config, scale)
         pad = 3 - params.rank
@@ -609,11 +619,14 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         scalars = (*common, *_strides(grads[0]), *_window_ds_strides(ds_shape, ds_atomic), hq,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, boxes)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
-        tiles = None
+        tiles = offsets = None
         if bias_tiles:
-            tiles = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, hq, scale, window, boxes, meta,
-                                     math.prod(config.outer_tile) * math.prod(config.inner_tile), tiles_dtype)
-        return _chunked(kernels.na_bwd_dq_kernel, programs, hq, b, scalars, meta), layouts, tiles
+            tile = math.prod(config.outer_tile) * math.prod(config.inner_tile)
+            tiles = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, hq, scale, window, boxes, meta, tile,
+                                     tiles_dtype, OFFSETS=False)
+            offsets = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, 1, scale, window, boxes, meta, tile,
+                                       torch.int32, OFFSETS=True)
+        return _chunked(kernels.na_bwd_dq_kernel, programs, hq, b, scalars, meta), layouts, tiles, offsets
 
     @functools.cache
     def decide_dkdv(config):
@@ -655,12 +668,15 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
                     ds=None if ds_shape is None else _window_ds_buffer(ds_shape, ds_atomic, q.device))
 
     def run_dq(config):
-        launches, layouts, tiles = decide_dq(config)
+        launches, layouts, tiles, _ = decide_dq(config)
         s = tuning_inputs()
-        if ds_atomic and s["ds"] is not None:  # each candidate run adds from zero
-            s["ds"].zero_()
+        ds = s["ds"]
+        if ds_tiles:  # the tile-layout buffer's size follows the candidate's tiles
+            ds = torch.zeros(tiles[1], dtype=torch.float32, device=q.device)
+        elif ds_atomic and ds is not None:  # each candidate run adds from zero
+            ds.zero_()
         _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dq"],
-                               *descriptor_args(q4, layouts, (k4, v4)), q4 if s["ds"] is None else s["ds"],
+                               *descriptor_args(q4, layouts, (k4, v4)), q4 if ds is None else ds,
                                _bias_tiles(tiles, s["table"], q4)))
 
     def run_dkdv(config):
@@ -670,7 +686,8 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
                                *descriptor_args(q4, layouts, (k4, v4), (q4, do4)), _bias_tiles(tiles, s["table"], q4)))
 
     config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
-    dq_launches, dq_layouts, dq_tiles = decide_dq(config)
+    dq_config = config
+    dq_launches, dq_layouts, dq_tiles, dq_offsets = decide_dq(config)
     config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok, host_descriptors=dkdv_host)
     dkdv_launches, dkdv_layouts, dkdv_tiles = decide_dkdv(config)
     pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
@@ -681,7 +698,15 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
                         rpb_direct=_rpb_direct(rpb) and len(dq_launches) == 1 == len(dkdv_launches),
                         ds_window=ds_shape, ds_atomic=ds_atomic, dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts,
                         dq_bias_tiles=dq_tiles, dkdv_bias_tiles=dkdv_tiles)
-    if ds_shape is not None:
+    if ds_tiles:
+        n_rel = math.prod(rpb.shape[1:])
+        plan.ds_tiles = dq_tiles[1]
+        plan.tile_index = rpb_grad.tile_index((params, dq_config.outer_tile, dq_config.inner_tile), dq_offsets[0],
+                                              dq_offsets[1], n_rel, q.device)
+        plan.reduce = _Launch(kernels.na_drpb_tiles_kernel, (n_rel, hq),
+                              (dq_tiles[1] // hq, plan.tile_index.shape[1], n_rel),
+                              dict(BLOCK=rpb_grad.TILE_REDUCE_BLOCK, num_warps=4))
+    elif ds_shape is not None:
         grid, scalars = rpb_grad.reduce_arguments(params, hq, rpb_grad.slot_tables(params, q.device)[1])
         plan.reduce = _Launch(kernels.na_drpb_window_kernel, grid, scalars,
                               dict(BLOCK_N=rpb_grad.REDUCE_BLOCK, num_warps=4))

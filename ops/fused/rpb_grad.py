@@ -121,3 +121,70 @@ def reduce_window_ds(ds: torch.Tensor, params: NAParams, launch=None) -> torch.T
     else:
         launch((x, tables, out))
     return out
+
+
+# --- dS in the bias tiles' layout ------------------------------------------------------------------------------------
+# With bias tiles (``launch.BIAS_TILES``) dQ adds dS over the batch into a buffer laid out like its bias tiles: whole
+# [queries, keys] tiles, contiguous atomics with no index arithmetic, where the window layout needs a slot and a mask
+# per element (on NAT-Tiny's 56x56 stage on an H100 that dQ took 0.354 ms against 0.224; docs/fused.md).  Each
+# element's relative offset is fixed by the problem and the tiles, so a gather index per offset, built once, turns the
+# buffer into dRPB in one pass (``na_drpb_tiles_kernel``).
+TILE_REDUCE_BLOCK = 512
+
+
+def tile_gather_index(offsets: torch.Tensor, n_rel: int) -> torch.Tensor:
+    """``[n_rel, M]`` int32: for each relative offset, the positions of the tile-layout elements that hold it
+    (``offsets``: the int32 offset of every element, -1 outside the windows), padded with -1 to the longest row."""
+    flat = offsets.flatten().long()
+    pos = torch.nonzero(flat >= 0).squeeze(1)
+    key = flat[pos]
+    order = torch.argsort(key, stable=True)
+    pos, key = pos[order], key[order]
+    counts = torch.bincount(key, minlength=n_rel)
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    firsts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(key.numel(), device=key.device) - firsts[key]
+    index = torch.full((n_rel, width), -1, dtype=torch.int32, device=offsets.device)
+    index[key, rank] = pos.to(torch.int32)
+    return index
+
+
+_TILE_INDEX: dict[tuple, torch.Tensor] = {}
+
+
+def tile_index(key: tuple, offsets_launch, elements: int, n_rel: int, device: torch.device) -> torch.Tensor:
+    """The gather index of one problem's dQ tiles (``key``: what decides them), cached; ``offsets_launch`` writes
+    the offsets (``na_bias_tiles_kernel`` with ``OFFSETS``) into an int32 buffer of ``elements``.  Built outside
+    CUDA-graph pools, like the slot tables."""
+    key = (key, device)
+    index = _TILE_INDEX.get(key)
+    if index is not None:
+        return index
+
+    def build():
+        offsets = torch.full((elements,), -1, dtype=torch.int32, device=device)  # boxes past a program's loop: -1
+        offsets_launch((offsets, offsets))  # (RPB unused in this mode, BIAS)
+        return tile_gather_index(offsets, n_rel)
+
+    if device.type != "cuda":
+        index = build()
+    elif torch.cuda.is_current_stream_capturing():
+        return build()
+    else:
+        index = _built_on_another_thread(build, device)
+    if len(_TILE_INDEX) < MAX_CACHED_PROBLEMS:
+        _TILE_INDEX[key] = index
+    return index
+
+
+def reduce_tile_ds(ds: torch.Tensor, index: torch.Tensor, heads: int, launch=None) -> torch.Tensor:
+    """dRPB ``[H, R]`` (float32) from dQ's batch-summed tile-layout dS (``heads`` equal parts) and the problem's
+    gather index ``[R, M]``, through ``launch`` (a backward plan's) where given."""
+    n_rel, width = index.shape
+    out = torch.empty(heads, n_rel, dtype=torch.float32, device=ds.device)
+    if launch is None:
+        kernels.na_drpb_tiles_kernel[(n_rel, heads)](ds, index, out, ds.numel() // heads, width, n_rel,
+                                                   BLOCK=TILE_REDUCE_BLOCK, num_warps=4)
+    else:
+        launch((ds, index, out))
+    return out
