@@ -1,4 +1,5 @@
-"""The RPB gradient from dS in window layout (host side of the dQ kernel's ``STORE_DS`` / ``DS_ATOMIC``).
+"""The RPB gradient from the dQ kernel's dS: in the bias tiles' layout (``DS_BOXES``, the default; at the end of this
+module) or in window layout (``STORE_DS`` / ``DS_ATOMIC``, without bias tiles or when deterministic).
 
 dRPB[h, r] sums dS(i, j) over every batch element and every (query i, key j) pair whose relative offset is r.
 In the kernels' [queries, keys] tiles those pairs lie on diagonals, which Triton cannot reduce cheaply; a pass
