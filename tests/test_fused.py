@@ -192,6 +192,29 @@ def test_rpb_from_bias_tiles_and_by_gather(p, bias_tiles, query_rows, monkeypatc
         assert plan.dkdv.meta["QUERY_ROWS"] == query_rows
 
 
+def test_bias_tiles_capped_by_size(monkeypatch):
+    """A launch whose bias tiles would pass ``BIAS_TILE_ELEMENTS`` gathers the bias per element instead, per kernel:
+    here the forward keeps its tiles while dQ and dK/dV (larger tiles) go without, and dRPB then comes from dQ's
+    window-layout dS; every result against the oracle."""
+    p = _fixed((12, 10), (7, 3), rpb=True, dim=24, heads=1)
+    small, large = Config(16, 16, 4, 1), Config(32, 32, 4, 1)
+    with autotune.forced(fwd=small, dq=large, dkdv=large):
+        _run(p, torch.float32, grads=True, seed=4)
+        (forward_plan,), (backward_plan,) = launch._FORWARD.values(), launch._BACKWARD.values()
+        forward_size = forward_plan.bias_tiles[1]
+        assert backward_plan.dq_bias_tiles[1] > forward_size and backward_plan.dkdv_bias_tiles[1] > forward_size
+        for plans in (launch._FORWARD, launch._BACKWARD):
+            plans.clear()
+        monkeypatch.setattr(launch, "BIAS_TILE_ELEMENTS", forward_size)
+        _run(p, torch.float32, grads=True, seed=4)
+    (forward_plan,), (backward_plan,) = launch._FORWARD.values(), launch._BACKWARD.values()
+    assert forward_plan.launch.meta["BIAS_TILES"] and forward_plan.bias_tiles is not None
+    assert not backward_plan.dq.meta["BIAS_TILES"] and not backward_plan.dkdv.meta["BIAS_TILES"]
+    assert backward_plan.dq_bias_tiles is None and backward_plan.dkdv_bias_tiles is None
+    assert not backward_plan.ds_tiles and backward_plan.ds_window is not None
+    assert backward_plan.dq.meta["STORE_DS"] and not backward_plan.dq.meta["DS_BOXES"]
+
+
 def test_bias_tiles_of_16_bit_inputs_saturate():
     """16-bit inputs get float16 bias tiles; an RPB value past float16's range saturates there rather than
     becoming an infinity (which would turn the softmax into NaN): a huge bias on the query's own position still

@@ -395,6 +395,17 @@ def _bias_tiles(spec, table, stand_in):
 BIAS_TILES = os.environ.get("NAMODELS_BIAS_TILES", "1") != "0"
 
 
+# A kernel's bias tiles (and dQ's tile-layout float32 dS) hold every box of every program once per head: small for
+# small windows (NAT-Tiny's 56x56 stage: 1.6M elements) but large for large 3-D windows (tens of GB for 3d-hunyuan's
+# 18x24x24).  Above this many elements a launch gathers the bias per element instead (and dRPB takes the window
+# layout or the offset pass), where long loops amortise the per-element work anyway.
+BIAS_TILE_ELEMENTS = 16 * 1024 * 1024
+
+
+def bias_tiles_fit(heads: int, programs: int, boxes: int, tile: int) -> bool:
+    return heads * programs * boxes * tile <= BIAS_TILE_ELEMENTS
+
+
 def bias_tiles_dtype(dtype: torch.dtype) -> torch.dtype:
     """The bias table's dtype: float32 for float32 inputs; float16 for 16-bit ones (half the bytes of float32, and
     8x finer than bfloat16; RPB values beyond its range saturate)."""
@@ -433,21 +444,21 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -
     def decide(config: autotune.Launch):
         window, programs = _window_args(params, config.outer_tile)
         meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, idx64, precision)
+        boxes = max_boxes(axes_of(params), config.outer_tile[3 - params.rank:], config.inner_tile[3 - params.rank:])
+        tile = math.prod(config.outer_tile) * math.prod(config.inner_tile)
+        meta["BIAS_TILES"] = bias_tiles and bias_tiles_fit(hq, programs, boxes, tile)
         # the row max is taken before scaling, which needs a positive scale
-        meta["BIAS_TILES"] = bias_tiles
         meta["FOLD_SCALE"] = scale > 0 and (not has_rpb or meta["BIAS_TILES"])
         meta["MASK_IN_DOT"] = meta["BIAS_TILES"] or (meta["FOLD_SCALE"] and mask_in_dot(params, config, scale))
         meta["TMA"] = config.tma and tma_ok
         meta["HOST_DESC"] = meta["TMA"] and host_desc
         meta["STORE_LSE"] = need_lse
-        boxes = max_boxes(axes_of(params), config.outer_tile[3 - params.rank:], config.inner_tile[3 - params.rank:])
         scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4), *lse_strides,
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window, boxes)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
         tiles = None
-        if bias_tiles:
-            tiles = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, hq, scale, window, boxes, meta,
-                                     math.prod(config.outer_tile) * math.prod(config.inner_tile),
+        if meta["BIAS_TILES"]:
+            tiles = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, hq, scale, window, boxes, meta, tile,
                                      bias_tiles_dtype(q.dtype), OFFSETS=False)
         return _chunked(kernels.na_fwd_kernel, programs, hq, b, scalars, meta), layouts, tiles
 
@@ -576,12 +587,12 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     dlse = d_lse.reshape(b, n, hq).float().contiguous() if d_lse is not None else None
     has_rpb = rpb is not None
     bias_tiles = BIAS_TILES and has_rpb and scale > 0
-    # dRPB from dQ's dS: added over the batch in the bias tiles' layout (``rpb_grad.reduce_tile_ds``), else in window
-    # layout where that buffer is small enough, else from the offset pass
+    # dRPB from dQ's dS: added over the batch in the bias tiles' layout where dQ's launch has bias tiles
+    # (``rpb_grad.reduce_tile_ds``), else in window layout where that buffer is small enough, else from the offset pass
     ds_atomic = window_ds_atomic(deterministic)
-    ds_tiles = bias_tiles and want_drpb and ds_atomic
+    ds_tiles = bias_tiles and want_drpb and ds_atomic  # where the chosen dQ launch's tiles fit (``decide_dq``)
     ds_shape = None
-    if has_rpb and want_drpb and not ds_tiles and rpb_grad.window_path_ok(1 if ds_atomic else b, hq, params):
+    if has_rpb and want_drpb and rpb_grad.window_path_ok(1 if ds_atomic else b, hq, params):
         ds_shape = rpb_grad.buffer_shape(1 if ds_atomic else b, hq, params)
     ds_meta = None if ds_shape is None else torch.empty(ds_shape, device="meta")
     given = grads is not None
@@ -608,21 +619,21 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     def decide_dq(config):
         window, programs = _window_args(params, config.outer_tile)
         meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, idx64, precision)
-        meta["TMA"] = config.tma and dq_tma_ok
-        meta["HOST_DESC"] = meta["TMA"] and dq_host
-        meta["STORE_DS"] = ds_shape is not None
-        meta["DS_ATOMIC"] = ds_atomic
-        meta["DS_BOXES"] = ds_tiles
-        meta["BIAS_TILES"] = bias_tiles
-        meta["MASK_IN_DOT"] = bias_tiles or mask_in_dot(params, config, scale)
         pad = 3 - params.rank
         boxes = max_boxes(axes, config.outer_tile[pad:], config.inner_tile[pad:])
+        tile = math.prod(config.outer_tile) * math.prod(config.inner_tile)
+        meta["TMA"] = config.tma and dq_tma_ok
+        meta["HOST_DESC"] = meta["TMA"] and dq_host
+        meta["BIAS_TILES"] = bias_tiles and bias_tiles_fit(hq, programs, boxes, tile)
+        meta["DS_BOXES"] = ds_tiles and meta["BIAS_TILES"]
+        meta["STORE_DS"] = ds_shape is not None and not meta["DS_BOXES"]
+        meta["DS_ATOMIC"] = ds_atomic
+        meta["MASK_IN_DOT"] = meta["BIAS_TILES"] or mask_in_dot(params, config, scale)
         scalars = (*common, *_strides(grads[0]), *_window_ds_strides(ds_shape, ds_atomic), hq,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, boxes)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
         tiles = offsets = None
-        if bias_tiles:
-            tile = math.prod(config.outer_tile) * math.prod(config.inner_tile)
+        if meta["BIAS_TILES"]:
             tiles = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, hq, scale, window, boxes, meta, tile,
                                      tiles_dtype, OFFSETS=False)
             offsets = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, 1, scale, window, boxes, meta, tile,
@@ -638,10 +649,11 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         meta["TMA"] = config.tma and dkdv_tma_ok
         meta["QUERY_ROWS"] = math.prod(config.inner_tile) >= DKDV_QUERY_ROWS_FROM
         meta["HOST_DESC"] = meta["TMA"] and dkdv_host
-        meta["BIAS_TILES"] = bias_tiles
-        meta["MASK_IN_DOT"] = bias_tiles or mask_in_dot(params, config, scale, inverse=True)
         pad = 3 - params.rank
         boxes = max_boxes(axes, config.outer_tile[pad:], config.inner_tile[pad:], inverse=True)
+        tile = math.prod(config.outer_tile) * math.prod(config.inner_tile)
+        meta["BIAS_TILES"] = bias_tiles and bias_tiles_fit(hq, programs, boxes, tile)
+        meta["MASK_IN_DOT"] = meta["BIAS_TILES"] or mask_in_dot(params, config, scale, inverse=True)
         scalars = (*common, *_strides(grads[1]), *_strides(grads[2]), hkv,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, boxes)
         layouts = None
@@ -649,10 +661,9 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
             layouts = (host_kv_layouts(params, k4, v4, config.outer_tile),
                        host_kv_layouts(params, q4, do4, config.inner_tile))
         tiles = None
-        if bias_tiles:
+        if meta["BIAS_TILES"]:
             tiles = _bias_tiles_spec(kernels.na_bias_tiles_inverse_kernel, programs, hq, scale, window, boxes, meta,
-                                     math.prod(config.outer_tile) * math.prod(config.inner_tile), tiles_dtype,
-                                     BISECT=meta["BISECT"], QUERY_ROWS=meta["QUERY_ROWS"])
+                                     tile, tiles_dtype, BISECT=meta["BISECT"], QUERY_ROWS=meta["QUERY_ROWS"])
         return _chunked(kernels.na_bwd_dkdv_kernel, programs, hkv, b, scalars, meta), layouts, tiles
 
     @functools.cache
@@ -672,7 +683,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         launches, layouts, tiles, _ = decide_dq(config)
         s = tuning_inputs()
         ds = s["ds"]
-        if ds_tiles:  # the tile-layout buffer's size follows the candidate's tiles
+        if launches[0][0].meta["DS_BOXES"]:  # the tile-layout buffer's size follows the candidate's tiles
             ds = torch.zeros(tiles[1], dtype=torch.float32, device=q.device)
         elif ds_atomic and ds is not None:  # each candidate run adds from zero
             ds.zero_()
@@ -694,12 +705,13 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
     if d_lse is not None:
         pairs += ((dlse, d_lse),)
+    dq_meta = dq_launches[0][0].meta
     plan = BackwardPlan(delta_launch, dq_launches, dkdv_launches, (b, n, hq, hkv, d, dv), params,
                         as_tokens=not _same_memory(pairs),
                         rpb_direct=_rpb_direct(rpb) and len(dq_launches) == 1 == len(dkdv_launches),
-                        ds_window=ds_shape, ds_atomic=ds_atomic, dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts,
+                        ds_window=ds_shape if dq_meta["STORE_DS"] else None, ds_atomic=ds_atomic, dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts,
                         dq_bias_tiles=dq_tiles, dkdv_bias_tiles=dkdv_tiles)
-    if ds_tiles:
+    if dq_meta["DS_BOXES"]:
         n_rel = math.prod(rpb.shape[1:])
         plan.ds_tiles = dq_tiles[1]
         plan.tile_index = rpb_grad.tile_index((params, dq_config.outer_tile, dq_config.inner_tile), dq_offsets[0],
@@ -707,7 +719,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         plan.reduce = _Launch(kernels.na_drpb_tiles_kernel, (n_rel, hq),
                               (dq_tiles[1] // hq, plan.tile_index.shape[1], n_rel),
                               dict(BLOCK=rpb_grad.TILE_REDUCE_BLOCK, num_warps=4))
-    elif ds_shape is not None:
+    elif plan.ds_window is not None:
         grid, scalars = rpb_grad.reduce_arguments(params, hq, rpb_grad.slot_tables(params, q.device)[1])
         plan.reduce = _Launch(kernels.na_drpb_window_kernel, grid, scalars,
                               dict(BLOCK_N=rpb_grad.REDUCE_BLOCK, num_warps=4))
