@@ -461,8 +461,10 @@ def test_mask_paths(monkeypatch, mask_in_dot):
     """Both ways every kernel masks a key box (a select per partial axis, or the window mask as the score matmul's
     initial value, ``launch.MASK_IN_DOT_FROM``), outputs and gradients against the oracle on boxes partial on one to
     three axes: 1-D / 2-D / 3-D, causal, stride, dilation, GQA, RPB (whose forward keeps the selects), odd sizes, and
-    both dK/dV orientations (16-query tiles: keys as rows; 64-query tiles: queries as rows)."""
+    both dK/dV orientations (16-query tiles: keys as rows; 64-query tiles: queries as rows).  RPB without bias tiles,
+    which carry the mask themselves (``test_rpb_from_bias_tiles_and_by_gather``)."""
     monkeypatch.setattr(launch, "MASK_IN_DOT_FROM", 0.0 if mask_in_dot else float("inf"))
+    monkeypatch.setattr(launch, "BIAS_TILES", False)
     launch._FORWARD.clear()
     launch._BACKWARD.clear()
     small = Config(16, 16, 4, 1)
