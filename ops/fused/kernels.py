@@ -940,6 +940,8 @@ def na_bwd_dq_kernel(
     if BIAS_TILES:
         bias_ptr = _program_tiles(BIAS, h, BOXES, T0 * T1 * T2 * U0 * U1 * U2)
         bias_offs = _box_offsets(T0 * T1 * T2, U0 * U1 * U2)
+        if DS_BOXES:  # the dS tiles have the bias tiles' layout
+            ds_ptr = _program_tiles(DSW, h, BOXES, T0 * T1 * T2 * U0 * U1 * U2)
 
     n0 = tl.cdiv(hi0 - lo0, U0)
     n1 = tl.cdiv(hi1 - lo1, U1)
@@ -967,8 +969,8 @@ def na_bwd_dq_kernel(
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         if DS_BOXES:  # zero outside the windows already (p = 0); rows past the group are dropped here
-            tl.atomic_add(_program_tiles(DSW, h, BOXES, T0 * T1 * T2 * U0 * U1 * U2) + t * (T0 * T1 * T2 * U0 * U1 * U2)
-                          + bias_offs, tl.where(q_ok[:, None], ds, 0.0), sem="relaxed")
+            tl.atomic_add(ds_ptr + t * (T0 * T1 * T2 * U0 * U1 * U2) + bias_offs, tl.where(q_ok[:, None], ds, 0.0),
+                          sem="relaxed")
         if STORE_DS:
             _store_window_ds(DSW + b.to(tl.int64) * swb + h * swh, ds, q_ok, q_tok, swt, kj0, kj1, kj2,
                              start0, stop0, start1, stop1, start2, stop2, K1, K2, DS_ATOMIC)

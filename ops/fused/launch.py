@@ -406,6 +406,14 @@ def bias_tiles_fit(heads: int, programs: int, boxes: int, tile: int) -> bool:
     return heads * programs * boxes * tile <= BIAS_TILE_ELEMENTS
 
 
+def _boxes_and_tile(params: NAParams, config: autotune.Launch, inverse: bool = False) -> tuple[int, int]:
+    """(the most boxes any program of a launch visits, elements per box): a launch's bias tiles per program and
+    head (``inverse``: dK/dV's loops)."""
+    pad = 3 - params.rank
+    boxes = max_boxes(axes_of(params), config.outer_tile[pad:], config.inner_tile[pad:], inverse)
+    return boxes, math.prod(config.outer_tile) * math.prod(config.inner_tile)
+
+
 def bias_tiles_dtype(dtype: torch.dtype) -> torch.dtype:
     """The bias table's dtype: float32 for float32 inputs; float16 for 16-bit ones (half the bytes of float32, and
     8x finer than bfloat16; RPB values beyond its range saturate)."""
@@ -444,8 +452,7 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -
     def decide(config: autotune.Launch):
         window, programs = _window_args(params, config.outer_tile)
         meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, idx64, precision)
-        boxes = max_boxes(axes_of(params), config.outer_tile[3 - params.rank:], config.inner_tile[3 - params.rank:])
-        tile = math.prod(config.outer_tile) * math.prod(config.inner_tile)
+        boxes, tile = _boxes_and_tile(params, config)
         meta["BIAS_TILES"] = bias_tiles and bias_tiles_fit(hq, programs, boxes, tile)
         # the row max is taken before scaling, which needs a positive scale
         meta["FOLD_SCALE"] = scale > 0 and (not has_rpb or meta["BIAS_TILES"])
@@ -613,15 +620,12 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     delta_launch = _delta_launch(o4, do4, dlse is not None)
     tiles_dtype = bias_tiles_dtype(q.dtype)
-    axes = axes_of(params)
 
     @functools.cache  # the tuner runs each candidate many times
     def decide_dq(config):
         window, programs = _window_args(params, config.outer_tile)
         meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, idx64, precision)
-        pad = 3 - params.rank
-        boxes = max_boxes(axes, config.outer_tile[pad:], config.inner_tile[pad:])
-        tile = math.prod(config.outer_tile) * math.prod(config.inner_tile)
+        boxes, tile = _boxes_and_tile(params, config)
         meta["TMA"] = config.tma and dq_tma_ok
         meta["HOST_DESC"] = meta["TMA"] and dq_host
         meta["BIAS_TILES"] = bias_tiles and bias_tiles_fit(hq, programs, boxes, tile)
@@ -649,9 +653,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         meta["TMA"] = config.tma and dkdv_tma_ok
         meta["QUERY_ROWS"] = math.prod(config.inner_tile) >= DKDV_QUERY_ROWS_FROM
         meta["HOST_DESC"] = meta["TMA"] and dkdv_host
-        pad = 3 - params.rank
-        boxes = max_boxes(axes, config.outer_tile[pad:], config.inner_tile[pad:], inverse=True)
-        tile = math.prod(config.outer_tile) * math.prod(config.inner_tile)
+        boxes, tile = _boxes_and_tile(params, config, inverse=True)
         meta["BIAS_TILES"] = bias_tiles and bias_tiles_fit(hq, programs, boxes, tile)
         meta["MASK_IN_DOT"] = meta["BIAS_TILES"] or mask_in_dot(params, config, scale, inverse=True)
         scalars = (*common, *_strides(grads[1]), *_strides(grads[2]), hkv,
@@ -697,9 +699,8 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dk"], s["dv"],
                                *descriptor_args(q4, layouts, (k4, v4), (q4, do4)), _bias_tiles(tiles, s["table"], q4)))
 
-    config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
-    dq_config = config
-    dq_launches, dq_layouts, dq_tiles, dq_offsets = decide_dq(config)
+    dq_config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
+    dq_launches, dq_layouts, dq_tiles, dq_offsets = decide_dq(dq_config)
     config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok, host_descriptors=dkdv_host)
     dkdv_launches, dkdv_layouts, dkdv_tiles = decide_dkdv(config)
     pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
@@ -709,8 +710,9 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     plan = BackwardPlan(delta_launch, dq_launches, dkdv_launches, (b, n, hq, hkv, d, dv), params,
                         as_tokens=not _same_memory(pairs),
                         rpb_direct=_rpb_direct(rpb) and len(dq_launches) == 1 == len(dkdv_launches),
-                        ds_window=ds_shape if dq_meta["STORE_DS"] else None, ds_atomic=ds_atomic, dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts,
-                        dq_bias_tiles=dq_tiles, dkdv_bias_tiles=dkdv_tiles)
+                        ds_window=ds_shape if dq_meta["STORE_DS"] else None, ds_atomic=ds_atomic,
+                        dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts, dq_bias_tiles=dq_tiles,
+                        dkdv_bias_tiles=dkdv_tiles)
     if dq_meta["DS_BOXES"]:
         n_rel = math.prod(rpb.shape[1:])
         plan.ds_tiles = dq_tiles[1]

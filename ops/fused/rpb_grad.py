@@ -66,19 +66,23 @@ MAX_CACHED_PROBLEMS = 64
 
 
 def slot_tables(params: NAParams, device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
-    key = (params, device)
-    tables = _SLOT_TABLES.get(key)
-    if tables is not None:
-        return tables
+    return _cached(_SLOT_TABLES, (params, device), lambda: _slot_tables(params, device), device)
+
+
+def _cached(cache: dict, key: tuple, build, device: torch.device):
+    """``cache[key]``, made by ``build()`` on first use outside any CUDA-graph pool (see above)."""
+    value = cache.get(key)
+    if value is not None:
+        return value
     if device.type != "cuda":
-        tables = _slot_tables(params, device)
+        value = build()
     elif torch.cuda.is_current_stream_capturing():  # no graph-pool tensor may outlive the capture: not cached
-        return _slot_tables(params, device)
+        return build()
     else:
-        tables = _built_on_another_thread(lambda: _slot_tables(params, device), device)
-    if len(_SLOT_TABLES) < MAX_CACHED_PROBLEMS:
-        _SLOT_TABLES[key] = tables
-    return tables
+        value = _built_on_another_thread(build, device)
+    if len(cache) < MAX_CACHED_PROBLEMS:
+        cache[key] = value
+    return value
 
 
 def _built_on_another_thread(build, device: torch.device):
@@ -157,25 +161,12 @@ def tile_index(key: tuple, offsets_launch, elements: int, n_rel: int, device: to
     """The gather index of one problem's dQ tiles (``key``: what decides them), cached; ``offsets_launch`` writes
     the offsets (``na_bias_tiles_kernel`` with ``OFFSETS``) into an int32 buffer of ``elements``.  Built outside
     CUDA-graph pools, like the slot tables."""
-    key = (key, device)
-    index = _TILE_INDEX.get(key)
-    if index is not None:
-        return index
-
     def build():
         offsets = torch.full((elements,), -1, dtype=torch.int32, device=device)  # boxes past a program's loop: -1
         offsets_launch((offsets, offsets))  # (RPB unused in this mode, BIAS)
         return tile_gather_index(offsets, n_rel)
 
-    if device.type != "cuda":
-        index = build()
-    elif torch.cuda.is_current_stream_capturing():
-        return build()
-    else:
-        index = _built_on_another_thread(build, device)
-    if len(_TILE_INDEX) < MAX_CACHED_PROBLEMS:
-        _TILE_INDEX[key] = index
-    return index
+    return _cached(_TILE_INDEX, (key, device), build, device)
 
 
 def reduce_tile_ds(ds: torch.Tensor, index: torch.Tensor, heads: int, launch=None) -> torch.Tensor:
