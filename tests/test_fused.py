@@ -231,6 +231,42 @@ def test_bias_tiles_of_16_bit_inputs_saturate():
     assert torch.equal(out.cpu(), v.cpu())
 
 
+
+def test_inference_reuses_bias_tiles_until_rpb_changes(monkeypatch):
+    """Eager inference keeps an rpb's bias tiles for the next call (one launch fewer per call) while the rpb is the
+    same tensor, unmodified: an in-place update, a new rpb or a call that needs gradients writes them again; every
+    output against the oracle."""
+    p = _fixed((6, 7), (3, 5), rpb=True, heads=2, heads_kv=2)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    q, k, v, rpb = p.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
+    rpb = rpb.detach().float()
+    written = []
+    generate = launch._bias_tiles
+    monkeypatch.setattr(launch, "_bias_tiles", lambda *a: written.append(1) or generate(*a))
+
+    def check(bias, **grad):
+        with torch.set_grad_enabled(bool(grad)):
+            q_in = q.detach().requires_grad_(bool(grad))
+            out = ops.neighborhood_attention(2, q_in, k, v, **p.kwargs(), rpb=bias, backend="fused")
+        ref, _ = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial, p.kernel_size,
+                                  p.stride, p.dilation, p.causal, rpb=bias.double().cpu())
+        assert _rel_err(out, ref) < TOL[torch.float32]
+
+    check(rpb)
+    check(rpb)
+    assert len(written) == 1  # the second call read the kept tiles
+    with torch.no_grad():
+        rpb.mul_(-3.0)  # in place: the version counter moves
+    check(rpb)
+    assert len(written) == 2
+    other = rpb.clone()
+    check(other)
+    check(rpb)
+    assert len(written) == 3  # the new tensor wrote its own; the first one's were still valid
+    check(rpb, grad=True)
+    assert len(written) == 4  # training calls write them per call
+
+
 HOST_DESC_CASES = [
     (_fixed((6, 9), (3, 5), c=(True, False), dim=32, dim_v=16, heads=4, heads_kv=2, batch=2), True),  # GQA, 2 batches
     (_fixed((6, 9), (3, 5), d=(2, 1), dim=32, heads=2), False),  # dilation
