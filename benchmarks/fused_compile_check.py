@@ -42,7 +42,7 @@ kernels = _load_kernels()
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 POINTERS = {"Q", "Kp", "V", "RPB", "O", "LSE", "DO", "DELTA", "DQ", "DK", "DV", "DRPB", "K_DESC", "V_DESC", "Q_DESC",
-            "DO_DESC", "DSW", "BIAS"}
+            "DO_DESC", "DSW", "BIAS", "DLSE"}
 FLOATS = {"qk_scale", "scale"}
 # host-built descriptors (``HOST_DESC``): the tile their box spans (U: key tile, T: query tile) and its row width
 DESCRIPTOR_BOXES = {"K_DESC": ("U", "BLOCK_D"), "V_DESC": ("U", "BLOCK_DV"), "Q_DESC": ("T", "BLOCK_D"),
@@ -162,7 +162,7 @@ def main(names):
             constexprs = dict(constexprs, FOLD_SCALE=True, STORE_LSE=True)
         if fn is kernels.na_bwd_dq_kernel:  # with RPB dS goes to its gradient, in the bias tiles' layout
             constexprs = dict(constexprs, STORE_DS=False, DS_ATOMIC=constexprs["HAS_RPB"],
-                              DS_BOXES=constexprs["HAS_RPB"])
+                              DS_BOXES=constexprs["HAS_RPB"], HAS_DLSE=False)
         if fn in (kernels.na_fwd_kernel, kernels.na_bwd_dq_kernel, kernels.na_bwd_dkdv_kernel):
             # the mask as the score dot's initial value in the 3-D cases and with bias tiles (which hold it)
             constexprs = dict(constexprs, MASK_IN_DOT=constexprs["ACT0"] or constexprs["BIAS_TILES"])

@@ -191,7 +191,7 @@ def main():
     elif args.kernel == "dq":  # with RPB, dQ adds dS up for its gradient (ops/fused/rpb_grad.py): in the bias tiles'
         # layout with them, else in window layout
         constexprs.update(HOST_DESC=args.tma and args.host_desc, STORE_DS=args.rpb and not tiles, DS_ATOMIC=args.rpb,
-                          DS_BOXES=tiles, MASK_IN_DOT=tiles or args.mask_in_dot)
+                          DS_BOXES=tiles, MASK_IN_DOT=tiles or args.mask_in_dot, HAS_DLSE=False)
     elif args.kernel == "dkdv":
         groups = [-(-L // dl) for L, dl in zip(spatial, dilation)]
         constexprs.update(BISECT=max(g.bit_length() for g in groups), QUERY_ROWS=math.prod(q_tile) >= 64,

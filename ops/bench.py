@@ -344,8 +344,7 @@ launch."""
     ds = n * p.heads * keys_per_query(p.params) * 4 if p.rpb else 0
     return {
         "na_fwd_kernel": 4 * t,  # q, k, v in, out (the lse store is skipped in inference)
-        "na_bwd_delta_kernel": 2 * t + lse,
-        "na_bwd_dq_kernel": 5 * t + 2 * lse,
+        "na_bwd_dq_kernel": 6 * t + 2 * lse,  # q, k, v, out, dO in, dq out; lse in, delta out
         "na_bwd_dkdv_kernel": 6 * t + 2 * lse,
         "na_drpb_window_kernel": ds,
         "na_bias_tiles_kernel": 0,

@@ -34,7 +34,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
 # index helpers of the kernels, called from the probe kernels below
 _token_row = getattr(triton_kernels, "_token_row", None)
-_rows_of_block = getattr(launch.kernels, "_rows_of_block", None)
 
 
 @pytest.fixture(autouse=True)
@@ -365,11 +364,6 @@ def _gemm_row_probe(out_ptr, bi, n, token, heads, h):
     tl.store(out_ptr, _token_row(bi, n, token, heads, h))
 
 
-@triton.jit
-def _delta_rows_probe(out_ptr, block, BLOCK_ROWS: tl.constexpr):
-    tl.store(out_ptr + tl.arange(0, BLOCK_ROWS), _rows_of_block(block, BLOCK_ROWS))
-
-
 @pytest.mark.skipif(not INTERPRETED, reason="runs the index helpers through the interpreter")
 def test_gemm_row_index_is_widened_before_it_can_pass_int32():
     """(batch * N + token) * heads + head with batch * N past 2**31: what int32 math before the widening wrapped."""
@@ -377,15 +371,6 @@ def test_gemm_row_index_is_widened_before_it_can_pass_int32():
     bi, n, token, heads, h = 3, 2**30 - 5, 1234, 4, 1
     _gemm_row_probe[(1,)](out, bi, n, token, heads, h)
     assert out.item() == (bi * n + token) * heads + h
-
-
-@pytest.mark.skipif(not INTERPRETED, reason="runs the index helpers through the interpreter")
-def test_fused_delta_rows_are_int64():
-    """The delta kernel's rows (b * N * H of them) past 2**31: block * BLOCK_ROWS in int32 wrapped."""
-    out = torch.zeros(128, dtype=torch.int64)
-    block = 2**24 + 3  # rows from 2**31 + 384 on
-    _delta_rows_probe[(1,)](out, block, 128)
-    assert torch.equal(out, block * 128 + torch.arange(128))
 
 
 def test_batch_chunks_fit_the_grid_limit():

@@ -856,44 +856,12 @@ def na_fwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Backward preprocess: delta = rowsum(dO * O) - dlse
-# ---------------------------------------------------------------------------------------------
-@triton.jit
-def _rows_of_block(block, BLOCK_ROWS: tl.constexpr):
-    """The int64 row indices of a block of ``BLOCK_ROWS`` rows: there are B * N * H rows, which can pass 2**31."""
-    return block.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-
-
-@triton.jit
-def na_bwd_delta_kernel(
-    O, DO, DLSE, DELTA, ROWS, N, H, VALUE_DIM,
-    sob, sot, soh, sdb, sdt, sdh,
-    HAS_DLSE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """One float32 per (b, token, head) row; ``DELTA`` and ``DLSE`` are contiguous ``[B, N, H]``.
-    One pass over O and dO in their own dtype and strides (no float32 copies of them)."""
-    rows = _rows_of_block(tl.program_id(0), BLOCK_ROWS)
-    row_ok = rows < ROWS
-    h = rows % H
-    t = (rows // H) % N
-    b = rows // H // N
-    offs = tl.arange(0, BLOCK_DV)
-    m = row_ok[:, None] & (offs < VALUE_DIM)[None, :]
-    o = tl.load(O + (b * sob + t * sot + h * soh)[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    do = tl.load(DO + (b * sdb + t * sdt + h * sdh)[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(DELTA + rows, delta, mask=row_ok)
-
-
-# ---------------------------------------------------------------------------------------------
 # Backward: dQ (loops over KV tiles like the forward)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def na_bwd_dq_kernel(
-    Q, Kp, V, RPB, DO, LSE, DELTA, DQ, K_DESC, V_DESC, DSW, BIAS,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt, sgb, sgt, sgh, swb, swt, swh,
+    Q, Kp, V, RPB, DO, LSE, DELTA, DQ, K_DESC, V_DESC, DSW, BIAS, O, DLSE,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt, sgb, sgt, sgh, swb, swt, swh, sob, sot, soh,
     HQ, GROUP, HEAD_DIM, VALUE_DIM, qk_scale, scale,
     L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2, BOXES,
     CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
@@ -903,9 +871,11 @@ def na_bwd_dq_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_RPB: tl.constexpr, IDX64: tl.constexpr,
     TMA: tl.constexpr, HOST_DESC: tl.constexpr, STORE_DS: tl.constexpr, DS_ATOMIC: tl.constexpr,
     MASK_IN_DOT: tl.constexpr, PREC: tl.constexpr, GATHER_ROWS: tl.constexpr, BIAS_TILES: tl.constexpr,
-    DS_BOXES: tl.constexpr,
+    DS_BOXES: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    # lse and delta share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
+    # lse, delta and dlse share strides (slb, slt); dQ has its own (sgb, sgt, sgh): q may be a strided view.
+    # DELTA is written here: each program computes delta = rowsum(dO * O) - dlse (the lse gradient enters only there)
+    # for its own query rows, which no other program owns, and the dK/dV kernel, launched after this one, reads it.
     # BIAS_TILES: the boxes' RPB and window mask come from BIAS (``na_bias_tiles_kernel``), else it is unused.
     # DS_BOXES (with BIAS_TILES): dS is added over the batch into DSW in the bias tiles' layout (whole tiles: contiguous
     # atomics, no index arithmetic; ``rpb_grad.reduce_tile_ds`` sums it by offset), instead of STORE_DS's layout.
@@ -929,7 +899,12 @@ def na_bwd_dq_kernel(
                  other=0.0)
     l_off = b.to(tl.int64) * slb + q_tok * slt + h
     lse2 = tl.load(LSE + l_off, mask=q_ok, other=0.0).to(tl.float32) * LOG2E_C
-    delta = tl.load(DELTA + l_off, mask=q_ok, other=0.0).to(tl.float32)
+    o = tl.load(O + b.to(tl.int64) * sob + h * soh + q_tok[:, None] * sot + offs_dv[None, :],
+                mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + l_off, mask=q_ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + l_off, delta, mask=q_ok)
     k_base = b.to(tl.int64) * skb + hk * skh
     v_base = b.to(tl.int64) * svb + hk * svh
     c0, c1, c2 = _tile_coords(U0, U1, U2)
@@ -979,6 +954,7 @@ def na_bwd_dq_kernel(
     dq = dq * scale
     g_base = b.to(tl.int64) * sgb + h * sgh
     if _holds_nonfinite(dq):  # a NaN / inf reached the tile: its rows again, kept inside their windows (rare)
+        tl.debug_barrier()  # the rows' delta, stored above by other threads of this program, read back from memory
         _dq_by_offset(Q, Kp, V, RPB, DO, LSE, DELTA, DQ, q_base, k_base, v_base, do_base, b.to(tl.int64) * slb, g_base,
                       sqt, skt, svt, sdt, slt, sgt, h, tile0, tile1, tile2, g0, g1, g2, Lg0, Lg1, Lg2, L1, L2, K0, K1,
                       K2, S0, S1, S2, D0, D1, D2, HEAD_DIM, VALUE_DIM, qk_scale, scale, CAUSAL0, CAUSAL1, CAUSAL2, T0,

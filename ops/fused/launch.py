@@ -528,10 +528,10 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -
 
 @dataclass
 class BackwardPlan:
-    """Every launch parameter of a backward problem and input layout (``plan_backward``): delta, dQ, dK/dV and the
-    dRPB path (dQ's window-layout dS summed by ``na_drpb_window_kernel``, or the offset pass)."""
+    """Every launch parameter of a backward problem and input layout (``plan_backward``): dQ (which also writes
+    delta), dK/dV and the dRPB path (dQ's dS summed by ``na_drpb_tiles_kernel`` or ``na_drpb_window_kernel``, or the
+    offset pass)."""
 
-    delta: _Launch
     dq_launches: Chunks
     dkdv_launches: Chunks
     shapes: tuple  # (B, N, Hq, Hkv, D, Dv)
@@ -596,14 +596,13 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
         d_lse = None if d_lse is None else d_lse.reshape(b, n, hq).float().contiguous()
     if table is None:
         table = q  # a stand-in: without RPB the kernels do not read it
-    delta = torch.empty((b, n, hq), dtype=torch.float32, device=dev)
+    delta = _empty((b, n, hq), torch.float32, dev)  # written by dQ, read by dK/dV
     ds = None if plan.ds_window is None else _window_ds_buffer(plan.ds_window, plan.ds_atomic, dev)
     if plan.ds_tiles:
         ds = torch.zeros(plan.ds_tiles, dtype=torch.float32, device=dev)
-    plan.delta((out, d_out, delta if d_lse is None else d_lse, delta))
     _run_chunks(plan.dq_launches, (q, k, v, table, d_out, lse, delta, dq,
                                    *descriptor_args(q, plan.dq_layouts, (k, v)), q if ds is None else ds,
-                                   _bias_tiles(plan.dq_bias_tiles, table, q)))
+                                   _bias_tiles(plan.dq_bias_tiles, table, q), out, delta if d_lse is None else d_lse))
     _run_chunks(plan.dkdv_launches, (q, k, v, table, d_out, lse, delta, dk, dvv,
                                      *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out)),
                                      _bias_tiles(plan.dkdv_bias_tiles, table, q)))
@@ -654,7 +653,6 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     dkdv_host = kv_host and dkdv_tma_ok and host_descriptors_ok(params, q4, do4, b, hq)
     precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
-    delta_launch = _delta_launch(o4, do4, dlse is not None)
     tiles_dtype = bias_tiles_dtype(q.dtype)
 
     @functools.cache  # the tuner runs each candidate many times
@@ -669,7 +667,8 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         meta["STORE_DS"] = ds_shape is not None and not meta["DS_BOXES"]
         meta["DS_ATOMIC"] = ds_atomic
         meta["MASK_IN_DOT"] = meta["BIAS_TILES"] or mask_in_dot(params, config, scale)
-        scalars = (*common, *_strides(grads[0]), *_window_ds_strides(ds_shape, ds_atomic), hq,
+        meta["HAS_DLSE"] = dlse is not None
+        scalars = (*common, *_strides(grads[0]), *_window_ds_strides(ds_shape, ds_atomic), *_strides(o4), hq,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, boxes)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
         tiles = offsets = None
@@ -706,10 +705,12 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
 
     @functools.cache
     def tuning_inputs() -> dict:
-        """delta and gradient buffers for the tuner's candidate runs (a real delta: a NaN would send the kernels
-        to their rare non-finite path and skew the timings)."""
-        delta = torch.empty((b, n, hq), dtype=torch.float32, device=q.device)
-        delta_launch((o4, do4, delta if dlse is None else dlse, delta))
+        """delta and gradient buffers for the tuner's candidate runs.  dQ candidates write delta themselves; dK/dV
+        candidates may be tuned without a dQ run before them and read this real one (a NaN would send the kernels to
+        their rare non-finite path and skew the timings)."""
+        delta = (o4.float() * do4.float()).sum(-1)
+        if dlse is not None:
+            delta -= dlse
         return dict(delta=delta, table=_rpb_table(rpb, hq) if has_rpb else q4,
                     # the caller's gradient outputs where given (their strides are in the launches' scalars)
                     dq=grads[0] if given else torch.empty((b, n, hq, d), dtype=q.dtype, device=q.device),
@@ -727,7 +728,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
             ds.zero_()
         _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dq"],
                                *descriptor_args(q4, layouts, (k4, v4)), q4 if ds is None else ds,
-                               _bias_tiles(tiles, s["table"], q4)))
+                               _bias_tiles(tiles, s["table"], q4), o4, s["delta"] if dlse is None else dlse))
 
     def run_dkdv(config):
         launches, layouts, tiles = decide_dkdv(config)
@@ -743,7 +744,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     if d_lse is not None:
         pairs += ((dlse, d_lse),)
     dq_meta = dq_launches[0][0].meta
-    plan = BackwardPlan(delta_launch, dq_launches, dkdv_launches, (b, n, hq, hkv, d, dv), params,
+    plan = BackwardPlan(dq_launches, dkdv_launches, (b, n, hq, hkv, d, dv), params,
                         as_tokens=not _same_memory(pairs),
                         rpb_direct=_rpb_direct(rpb) and len(dq_launches) == 1 == len(dkdv_launches),
                         ds_window=ds_shape if dq_meta["STORE_DS"] else None, ds_atomic=ds_atomic,
@@ -791,20 +792,6 @@ def _window_ds_strides(shape, atomic: bool) -> tuple:
         return 0, 0, 0
     _, n, h, slots = shape
     return (0 if atomic else n * h * slots), h * slots, slots
-
-
-def _delta_launch(o4, do4, has_dlse: bool) -> _Launch:
-    """delta_i = sum_j P_ij dP_ij = rowsum(dO * O) - dlse_i (the lse gradient enters only here).
-
-    One small kernel instead of float32 copies of O and dO, a product and a reduction (about
-    0.8 ms of 1d-32k's backward on an H100 when done with PyTorch ops)."""
-    b, n, h, dv = o4.shape
-    rows = b * n * h
-    block_dv = max(16, triton.next_power_of_2(dv))
-    block_rows = max(1, min(128, 8192 // block_dv))
-    return _Launch(kernels.na_bwd_delta_kernel, (triton.cdiv(rows, block_rows), 1),
-                   (rows, n, h, dv, *_strides(o4), *_strides(do4)),
-                   dict(HAS_DLSE=has_dlse, BLOCK_ROWS=block_rows, BLOCK_DV=block_dv, num_warps=4))
 
 
 def _drpb_launch(q4, k4, v4, rpb, common, params, scale, deterministic, q, k, v, idx64):
