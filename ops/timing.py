@@ -1,8 +1,9 @@
 """Step timer shared by the project's benchmarks (torch only).
 
 :func:`time_steps` runs ``step`` untimed ``settings.warmup`` times, then times up to ``settings.iters``
-calls one at a time: CUDA events on a CUDA device, ``time.perf_counter`` elsewhere, each call
-synchronised before the next starts, Python's garbage collector paused.  Used by the model throughput
+samples of ``settings.back_to_back`` calls each (one by default): CUDA events on a CUDA device,
+``time.perf_counter`` elsewhere, each sample synchronised before the next starts, Python's garbage
+collector paused.  Used by the model throughput
 benchmark (through :mod:`namodels.benchmark.timing`), the generator's images-per-second and
 ``ops.gemm.bench``::
 
@@ -35,6 +36,10 @@ class TimingSettings:
     wall time on each (``min_iters`` timed steps always run, and every warm-up step up to the first
     past ``warmup_cap_s``; ``warmup=0`` times from the first call, for a call too slow to repeat).
 
+    ``back_to_back``: steps per timed sample, run back to back with one synchronisation after the last, as a
+    training loop runs them (the host queues the next step while the device finishes the last); a sample's time is
+    divided by it.  1 (the default) times each step alone, host latency included in full.
+
     ``keep_gc``: leave Python's garbage collector on during the timed steps.  Off by default, as in
     ``timeit``: a full collection in a long benchmark process (many models built and dropped) can
     land inside a step and add milliseconds to whichever row happens to be timed then.
@@ -46,11 +51,12 @@ class TimingSettings:
     cap_s: float = 10.0
     warmup_cap_s: float = 30.0
     keep_gc: bool = False
+    back_to_back: int = 1
 
     def __post_init__(self):
         if int(self.warmup) < 0:
             raise ValueError(f"warmup: must be >= 0, got {self.warmup}")
-        for name in ("iters", "min_iters"):
+        for name in ("iters", "min_iters", "back_to_back"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.min_iters > self.iters:
@@ -90,19 +96,22 @@ def time_steps(step: Callable[[], object], device: torch.device | str, settings:
 
 def _timed_loop(step, device: torch.device, settings: TimingSettings) -> list[float]:
     times: list[float] = []
+    steps = settings.back_to_back
     started = time.perf_counter()
     for i in range(settings.iters):
         if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            step()
+            for _ in range(steps):
+                step()
             end.record()
             end.synchronize()
-            times.append(begin.elapsed_time(end))
+            times.append(begin.elapsed_time(end) / steps)
         else:
             t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(steps):
+                step()
+            times.append((time.perf_counter() - t0) * 1e3 / steps)
         if i + 1 >= settings.min_iters and time.perf_counter() - started > settings.cap_s:
             break
     return times

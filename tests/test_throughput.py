@@ -204,6 +204,22 @@ def test_time_steps_without_warmup_times_the_first_call():
         TimingSettings(warmup=-1)
 
 
+
+def test_time_steps_back_to_back_samples_give_time_per_step():
+    """A sample of ``back_to_back`` steps runs them without a synchronisation between and reports the time per step:
+    three 20 ms steps per sample read as about 20 ms, not 60; a zero count is refused by name."""
+    from namodels.benchmark.timing import time_steps
+    import time as _time
+
+    calls = []
+    settings = TimingSettings(warmup=1, iters=2, min_iters=2, back_to_back=3)
+    times = time_steps(lambda: (calls.append(1), _time.sleep(0.02)), torch.device("cpu"), settings)
+    assert len(times) == 2 and len(calls) == 1 + 2 * 3
+    assert all(18.0 <= t < 40.0 for t in times)
+    with pytest.raises(ValueError, match="back_to_back"):
+        TimingSettings(back_to_back=0)
+
+
 # ----------------------------------------------------------------------------------------- rows
 
 

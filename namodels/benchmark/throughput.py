@@ -1,7 +1,8 @@
 """Model throughput per NA kernel backend (no Hydra needed).
 
 For each model x backend x precision: inference and training step (forward + backward + optimizer
-step) samples/s, step time (median over timed steps, CUDA events, after warm-up), peak memory,
+step) samples/s, step time (median over timed samples, each ``BACK_TO_BACK`` steps run back to back as a training
+loop runs them, CUDA events, after warm-up), peak memory,
 parameters and GMACs per sample, on a fixed random input, with batch-size decay on OOM.  Columns
 follow timm's ``benchmark.py`` plus ``backend`` and ``precision``.
 
@@ -59,6 +60,9 @@ DEFAULT_MODELS = ["nat_mini", "dinat_mini", "nat_tiny", "swin_tiny_patch4_window
 # A run on a CPU with no models named measures these (a couple of minutes; the list above would take about an
 # hour there); ``configs/task/throughput.yaml``'s ``device_defaults.cpu`` says the same for ``eval.py``.
 CPU_DEFAULTS = {"models": ["nat_mini", "dinat_mini"], "backends": ["gemm", DENSE], "batch_size": 2}
+# Steps per timed sample on CUDA, back to back as a training loop runs them: the host queues a step while the GPU
+# finishes the previous one, which a synchronisation after every step would forbid (``TimingSettings.back_to_back``).
+BACK_TO_BACK = 5
 _RESTARTS_ENV, _DEADLINE_ENV = "NAMODELS_BENCH_RESTARTS", "NAMODELS_BENCH_DEADLINE"
 MAX_RESTARTS = 8
 
@@ -392,7 +396,8 @@ class BenchOptions:
                                        else ["naive", "gemm", "flex", DENSE]),
             precisions=self.precisions or (["bf16", "fp32"] if cuda else ["fp32"]),
             batch_size=self.batch_size or (128 if cuda else 8),
-            timing=self.timing or (TimingSettings(warmup=3, iters=20, min_iters=2, cap_s=5.0, warmup_cap_s=30.0)
+            timing=self.timing or (TimingSettings(warmup=3, iters=20, min_iters=2, cap_s=5.0, warmup_cap_s=30.0,
+                                                  back_to_back=BACK_TO_BACK)
                                    if cuda else TimingSettings(warmup=1, iters=2, min_iters=1, cap_s=30.0,
                                                                warmup_cap_s=60.0)),
         )
@@ -615,6 +620,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-iters", type=int, default=None)
     p.add_argument("--time-cap", type=float, default=None, help="seconds of timed steps per phase")
     p.add_argument("--warmup-cap", type=float, default=None, help="seconds of warm-up per phase")
+    p.add_argument("--back-to-back", type=int, default=None,
+                   help=f"steps per timed sample, run without a synchronisation between them (default "
+                        f"{BACK_TO_BACK} on CUDA, 1 on CPU; 1 times each step alone)")
     p.add_argument("--deadline", type=float, default=None, help="start no row after this many seconds")
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--keep-gc", action="store_true", help="leave Python's garbage collector on while timing")
@@ -643,6 +651,7 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
         cap_s=args.time_cap if args.time_cap is not None else base.cap_s,
         warmup_cap_s=args.warmup_cap if args.warmup_cap is not None else base.warmup_cap_s,
         keep_gc=args.keep_gc,
+        back_to_back=args.back_to_back if args.back_to_back is not None else base.back_to_back,
     )
     return BenchOptions(
         models=args.models, backends=args.backends, precisions=args.precisions, batch_size=args.batch,
