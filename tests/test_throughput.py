@@ -220,6 +220,21 @@ def test_time_steps_back_to_back_samples_give_time_per_step():
         TimingSettings(back_to_back=0)
 
 
+
+def test_back_to_back_defaults_per_device_and_overrides():
+    """Timed samples are 5 back-to-back steps on CUDA and single steps on CPU unless ``--back-to-back`` (or the
+    option) says otherwise, also where the timing settings are given."""
+    from namodels.benchmark.throughput import BACK_TO_BACK, BenchOptions, _parser, options_from_args
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert BenchOptions().defaults_for(cuda).timing.back_to_back == BACK_TO_BACK
+    assert BenchOptions().defaults_for(cpu).timing.back_to_back == 1
+    assert BenchOptions(timing=FAST, back_to_back=3).defaults_for(cuda).timing.back_to_back == 3
+    for argv, want in (([], BACK_TO_BACK), (["--back-to-back", "1"], 1), (["--iters", "2"], BACK_TO_BACK)):
+        options = options_from_args(_parser().parse_args(["--out", "x", *argv]), cuda)
+        assert options.defaults_for(cuda).timing.back_to_back == want
+
+
 # ----------------------------------------------------------------------------------------- rows
 
 

@@ -382,6 +382,7 @@ class BenchOptions:
     lr: float = 1e-4
     device: str = "auto"
     timing: TimingSettings | None = None     # None: device defaults (see defaults_for)
+    back_to_back: int | None = None          # steps per timed sample; None: the timing's (5 on CUDA, 1 on CPU)
     deadline_s: float | None = None          # stop starting rows after this many seconds
     min_row_s: float = 5.0                   # rows are not started with less time than this left
     resume: bool = False                     # skip rows already in out_dir/rows.jsonl
@@ -396,11 +397,16 @@ class BenchOptions:
                                        else ["naive", "gemm", "flex", DENSE]),
             precisions=self.precisions or (["bf16", "fp32"] if cuda else ["fp32"]),
             batch_size=self.batch_size or (128 if cuda else 8),
-            timing=self.timing or (TimingSettings(warmup=3, iters=20, min_iters=2, cap_s=5.0, warmup_cap_s=30.0,
-                                                  back_to_back=BACK_TO_BACK)
-                                   if cuda else TimingSettings(warmup=1, iters=2, min_iters=1, cap_s=30.0,
-                                                               warmup_cap_s=60.0)),
+            timing=self._timing(cuda),
         )
+
+    def _timing(self, cuda: bool) -> TimingSettings:
+        """The timing settings (device defaults unless given), with ``back_to_back`` where it is set."""
+        timing = self.timing or (TimingSettings(warmup=3, iters=20, min_iters=2, cap_s=5.0, warmup_cap_s=30.0,
+                                                back_to_back=BACK_TO_BACK)
+                                 if cuda else TimingSettings(warmup=1, iters=2, min_iters=1, cap_s=30.0,
+                                                             warmup_cap_s=60.0))
+        return timing if self.back_to_back is None else replace(timing, back_to_back=self.back_to_back)
 
 
 def model_groups(models: Sequence[str]) -> list[list[str]]:
@@ -448,6 +454,10 @@ class _Run:
             os.remove(self.rows_path)
         self.device = _resolve_device(options.device)
         self.meta = _meta(self.device, command)
+        timing = options.timing
+        if timing is not None:  # how the steps were timed, which the command leaves to the defaults
+            self.meta["timing"] = (f"warmup {timing.warmup}, up to {timing.iters} samples of {timing.back_to_back} "
+                                   f"back-to-back steps")
         self.done = {report.row_key(r): r for r in report.read_rows(self.rows_path) if r.get("status") != "skipped"}
         # a backend phase that once killed the CUDA context is not tried again in this run
         self.crashed = {(r["backend"], r["crash"]): f"{r['model']} {r['precision']}" for r in self.done.values()
@@ -651,13 +661,14 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
         cap_s=args.time_cap if args.time_cap is not None else base.cap_s,
         warmup_cap_s=args.warmup_cap if args.warmup_cap is not None else base.warmup_cap_s,
         keep_gc=args.keep_gc,
-        back_to_back=args.back_to_back if args.back_to_back is not None else base.back_to_back,
+        back_to_back=base.back_to_back,
     )
     return BenchOptions(
         models=args.models, backends=args.backends, precisions=args.precisions, batch_size=args.batch,
         img_size=args.img_size, frames=args.frames, infer=not args.no_infer, train=not args.no_train,
         channels_last=args.channels_last, compile=args.compile or False, opt=args.opt, lr=args.lr, device=args.device,
-        timing=timing, deadline_s=args.deadline, resume=args.resume, chart=not args.no_chart,
+        timing=timing, back_to_back=args.back_to_back, deadline_s=args.deadline, resume=args.resume,
+        chart=not args.no_chart,
         skip_dense_for_dilated=not args.keep_dense_dilated,
     )
 
