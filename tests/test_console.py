@@ -81,3 +81,59 @@ def test_benchmark_module_runs_without_runpy_warning():
     import namodels.benchmark as bench
 
     assert callable(bench.measure_throughput) and bench.TimingSettings is not None  # lazy names still resolve
+
+
+class _TinyRegression:
+    """A one-layer LightningModule on random data, built inside the test (Lightning imported lazily)."""
+
+    @staticmethod
+    def build():
+        import lightning.pytorch as pl
+        import torch
+
+        class Tiny(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(4, 1)
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                loss = torch.nn.functional.mse_loss(self.layer(x), y)
+                self.log("train/loss_step", loss, prog_bar=True, on_step=True, on_epoch=False)
+                return loss
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        data = torch.utils.data.TensorDataset(torch.randn(50, 4), torch.randn(50, 1))
+        return Tiny(), torch.utils.data.DataLoader(data, batch_size=2)
+
+
+def test_throughput_and_progress_bar_read_the_device_every_n_batches(tmp_path, monkeypatch):
+    """The throughput monitor synchronises and reads its clock every log_every_n_steps training batches (25 batches,
+    every 5: 5 readings) yet counts every sample; the progress bar reads the logged metrics (a GPU wait for a loss
+    logged as a device tensor) on those batches and at the epoch's end only, and still shows the loss."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from namodels.tasks.throughput_monitor import ThroughputMonitor
+
+    model, loader = _TinyRegression.build()
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0], window_size=3)
+    bar = ProgressBar()
+    reads = []
+    get_metrics = ProgressBar.get_metrics
+    monkeypatch.setattr(ProgressBar, "get_metrics", lambda self, *a: reads.append(1) or get_metrics(self, *a))
+    trainer = pl.Trainer(max_epochs=1, log_every_n_steps=5, callbacks=[monitor, bar], logger=CSVLogger(tmp_path),
+                         enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(model, loader)
+    assert monitor.clock_readings == 5
+    assert monitor._samples[pl.trainer.states.RunningStage.TRAINING] == 50
+    logged = trainer.logged_metrics
+    assert logged["train/samples"] == 50 and logged["train/batches"] == 25  # the last reading saw every batch
+    assert logged["train/device/samples_per_sec"] > 0
+    assert 5 <= len(reads) <= 8  # every 5th batch and the epoch's end (not 25)
+    assert "train/loss_step" in bar.get_metrics(trainer, model)
+    with pytest.raises(ValueError, match="every_n_batches"):
+        ThroughputMonitor(batch_size_fn=len, every_n_batches=0)
+    with pytest.raises(ValueError, match="metrics_every_n_batches"):
+        ProgressBar(metrics_every_n_batches=0)

@@ -5,7 +5,7 @@ totals, so the lines that matter (data, learning rate, metrics, the run folder) 
 * :class:`ModelSummary`: ``RichModelSummary`` without the FLOPs column and total when nothing was counted
   (Lightning counts FLOPs only for a module with an ``example_input_array``, and prints 0 otherwise);
 * :class:`ProgressBar`: ``RichProgressBar`` that shows "Epoch N" on step-bounded runs (``max_epochs=-1``), where
-  Lightning's "Epoch N/max_epochs - 1" reads "Epoch 0/-2".
+  Lightning's "Epoch N/max_epochs - 1" reads "Epoch 0/-2", and reads the logged metrics only every few batches.
 """
 from __future__ import annotations
 
@@ -75,7 +75,28 @@ class ModelSummary(RichModelSummary):
 
 class ProgressBar(RichProgressBar):
     """``RichProgressBar`` (same arguments) whose description leaves out the epoch total when the run is bounded
-    by steps or time instead of epochs."""
+    by steps or time instead of epochs.
+
+    The bar advances every batch but reads the logged metrics (the step loss) only every ``metrics_every_n_batches``
+    training batches (None: the trainer's ``log_every_n_steps``) and at the end of an epoch: reading a metric logged
+    as a GPU tensor waits for the GPU, and a wait per step keeps the host from queueing the next step meanwhile."""
+
+    def __init__(self, *args: Any, metrics_every_n_batches: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if metrics_every_n_batches is not None and int(metrics_every_n_batches) < 1:
+            raise ValueError(f"metrics_every_n_batches: must be >= 1 or None, got {metrics_every_n_batches!r}")
+        self.metrics_every_n_batches = metrics_every_n_batches
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        every = int(self.metrics_every_n_batches or trainer.log_every_n_steps or 1)
+        if (batch_idx + 1) % every == 0:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        # the position only, as Lightning's hook does before it reads the metrics
+        if not self.is_disabled and self.train_progress_bar_id is None:
+            self._initialize_train_progress_bar_id()
+        self._update(self.train_progress_bar_id, batch_idx + 1)
+        self.refresh()
 
     def _get_train_description(self, current_epoch: int) -> str:
         max_epochs = self.trainer.max_epochs
