@@ -234,8 +234,8 @@ def test_bias_tiles_of_16_bit_inputs_saturate():
 
 def test_inference_reuses_bias_tiles_until_rpb_changes(monkeypatch):
     """Eager inference keeps an rpb's bias tiles for the next call (one launch fewer per call) while the rpb is the
-    same tensor, unmodified: an in-place update, a new rpb or a call that needs gradients writes them again; every
-    output against the oracle."""
+    same tensor, unmodified, and the problem the same: an in-place update, a new rpb, another input size or a call
+    that needs gradients writes them again (one table kept per rpb); every output against the oracle."""
     p = _fixed((6, 7), (3, 5), rpb=True, heads=2, heads_kv=2)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     q, k, v, rpb = p.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
@@ -265,6 +265,16 @@ def test_inference_reuses_bias_tiles_until_rpb_changes(monkeypatch):
     assert len(written) == 3  # the new tensor wrote its own; the first one's were still valid
     check(rpb, grad=True)
     assert len(written) == 4  # training calls write them per call
+    other_size = _fixed((9, 7), (3, 5), rpb=True, heads=2, heads_kv=2)  # the same rpb on another input size
+    q2, k2, v2, _ = other_size.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
+    with torch.no_grad():
+        out = ops.neighborhood_attention(2, q2, k2, v2, **other_size.kwargs(), rpb=rpb, backend="fused")
+    ref, _ = oracle_attention(q2.double().cpu(), k2.double().cpu(), v2.double().cpu(), other_size.spatial,
+                              other_size.kernel_size, other_size.stride, other_size.dilation, other_size.causal,
+                              rpb=rpb.double().cpu())
+    assert _rel_err(out, ref) < TOL[torch.float32] and len(written) == 5
+    check(rpb)
+    assert len(written) == 6  # one table kept per rpb: the last size's
 
 
 HOST_DESC_CASES = [

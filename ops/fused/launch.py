@@ -401,8 +401,9 @@ def _bias_tiles(spec, table, stand_in):
 
 
 # Bias tiles kept per rpb tensor for eager inference, where a model's RPB stays the same from call to call and
-# the tiles' launch is half of a forward's host time: rpb -> {id(tile launch): (launch, rpb version, tiles)}.  An
-# entry holds while the rpb is the same object, unmodified in place (its version counter); it goes with the rpb.
+# the tiles' launch is half of a forward's host time: rpb -> (tile launch, rpb version, tiles), the last call's only
+# (one table per rpb, whatever the input sizes seen).  An entry holds while the rpb is the same object, unmodified in
+# place (its version counter), for the same launch; it goes with the rpb.
 _REUSED_TILES = WeakIdKeyDictionary()
 
 
@@ -412,14 +413,11 @@ def _reused_bias_tiles(spec, rpb, table, stand_in):
     if rpb.is_inference() or (stand_in.is_cuda and torch.cuda.is_current_stream_capturing()):
         return _bias_tiles(spec, table, stand_in)
     launch, version = spec[0], rpb._version
-    entries = _REUSED_TILES.get(rpb)
-    if entries is None:
-        entries = _REUSED_TILES[rpb] = {}
-    kept = entries.get(id(launch))
+    kept = _REUSED_TILES.get(rpb)
     if kept is not None and kept[0] is launch and kept[1] == version:
         return kept[2]
     tiles = _bias_tiles(spec, table, stand_in)
-    entries[id(launch)] = (launch, version, tiles)
+    _REUSED_TILES[rpb] = (launch, version, tiles)
     return tiles
 
 
