@@ -330,6 +330,35 @@ def test_cli_writes_every_output_and_resumes(tmp_path):
     assert {report.row_key(r): r["infer_step_time"] for r in again} == before
 
 
+
+def test_rounds_alternate_rows_and_report_medians(tmp_path):
+    """``--rounds 3``: every row is measured once per round, the rows of a round one after another; rows.jsonl keeps
+    each round's row, the tables one row per (model, backend, precision) with the median over the rounds, and a resumed
+    run measures nothing again."""
+    out = str(tmp_path / "run")
+    args = ["--models", "nat_digits", "test_resnet", "--backends", "naive", "--precisions", "fp32", "--batch", "2",
+            "--img-size", "32", "--warmup", "1", "--iters", "1", "--no-chart", "--rounds", "3", "--out", out]
+    rows = main(args)
+    with open(os.path.join(out, "rows.jsonl")) as f:
+        measured = [json.loads(line) for line in f if line.strip()]
+    assert [(r["model"], r["round"]) for r in measured] == [("nat_digits", 0), ("test_resnet", 0), ("nat_digits", 1),
+                                                            ("test_resnet", 1), ("nat_digits", 2), ("test_resnet", 2)]
+    assert len(rows) == 2 and all(r["rounds"] == 3 and "round" not in r for r in rows)
+    for row in rows:
+        per_round = [r for r in measured if r["model"] == row["model"]]
+        for phase in ("infer", "train"):
+            values = [r[f"{phase}_samples_per_sec"] for r in per_round]
+            assert row[f"{phase}_samples_per_sec_rounds"] == values
+            assert row[f"{phase}_samples_per_sec"] == sorted(values)[1]
+            assert row[f"{phase}_step_time"] == sorted(r[f"{phase}_step_time"] for r in per_round)[1]
+    with open(os.path.join(out, "throughput.json")) as f:
+        assert len(json.load(f)["rows"]) == 2
+    again = main(args + ["--resume"])
+    assert [r["infer_samples_per_sec"] for r in again] == [r["infer_samples_per_sec"] for r in rows]
+    with pytest.raises(ValueError, match="rounds"):
+        run_benchmarks(BenchOptions(models=["nat_digits"], device="cpu", rounds=0), str(tmp_path / "bad"))
+
+
 def test_deadline_records_rows_as_not_run(tmp_path):
     options = BenchOptions(models=["nat_digits"], backends=["naive"], precisions=["fp32"], batch_size=2,
                            img_size=32, device="cpu", timing=FAST, deadline_s=1e-3, min_row_s=1e9, chart=False)

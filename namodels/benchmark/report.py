@@ -10,6 +10,7 @@ import csv
 import json
 import math
 import os
+import statistics
 
 # timm benchmark.py's columns first (same names and units: samples/s, ms per step, param_count in
 # millions, GMACs per sample), then ours.
@@ -31,11 +32,41 @@ BACKEND_LABELS = {"sdpa": "dense SDPA (same model)", NO_BACKEND: "timm baseline"
 
 
 def row_key(row: dict) -> tuple:
-    return row["model"], row["backend"], row["precision"]
+    """(model, backend, precision, round): a run with ``--rounds`` measures each row once per round."""
+    return row["model"], row["backend"], row["precision"], row.get("round", 0)
+
+
+# What a row with several rounds reports: the median of each round's value.
+ROUND_MEDIANS = tuple(f"{phase}_{name}" for phase in ("infer", "train")
+                      for name in ("samples_per_sec", "step_time", "gpu_ms"))
+
+
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (model, backend, precision): a row measured in several rounds (``round`` 0, 1, ...) becomes the
+    first round's row with the medians of ``ROUND_MEDIANS`` over the rounds that have them, the rounds'
+    samples/s as ``<phase>_samples_per_sec_rounds`` and ``rounds`` the count; a row of one round is kept as it is."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row_key(row)[:3], []).append(row)
+    merged = []
+    for group in groups.values():
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        group.sort(key=lambda r: r.get("round", 0))
+        row = {k: v for k, v in group[0].items() if k != "round"}
+        row["rounds"] = len(group)
+        for name in ROUND_MEDIANS:
+            values = [r[name] for r in group if r.get(name) is not None]
+            row[name] = statistics.median(values) if values else None
+            if name.endswith("samples_per_sec"):
+                row[f"{name}_rounds"] = values
+        merged.append(row)
+    return merged
 
 
 def read_rows(path: str) -> list[dict]:
-    """Rows of a ``rows.jsonl``; a later row with the same (model, backend, precision) replaces an earlier."""
+    """Rows of a ``rows.jsonl``; a later row with the same (model, backend, precision, round) replaces an earlier."""
     rows: dict[tuple, dict] = {}
     if os.path.isfile(path):
         with open(path) as f:
@@ -165,7 +196,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> str | None:
     phases = [p for p in ("infer", "train") if any(r.get(f"{p}_samples_per_sec") for r in measured)]
     fig, axes = plt.subplots(len(precisions), len(phases), squeeze=False,
                              figsize=(max(8.0, 0.9 * len(models) * len(phases) + 3), 3.6 * len(precisions)))
-    index = {row_key(r): r for r in measured}
+    index = {row_key(r)[:3]: r for r in measured}
     for i, precision in enumerate(precisions):
         for j, phase in enumerate(phases):
             ax = axes[i][j]
@@ -207,8 +238,8 @@ def plot(rows: list[dict], path: str, title: str = "") -> str | None:
 
 
 def rebuild(out_dir: str, meta: dict | None = None, chart: bool = True) -> dict:
-    """Tables (and chart) of ``out_dir`` from its ``rows.jsonl``."""
-    rows = read_rows(os.path.join(out_dir, "rows.jsonl"))
+    """Tables (and chart) of ``out_dir`` from its ``rows.jsonl`` (rounds merged: ``merge_rounds``)."""
+    rows = merge_rounds(read_rows(os.path.join(out_dir, "rows.jsonl")))
     if meta is None:
         old = os.path.join(out_dir, "throughput.json")
         if os.path.isfile(old):

@@ -11,7 +11,7 @@ from .timing import TimingSettings
 log = logging.getLogger(__name__)
 
 _FIELDS = ("models", "backends", "precisions", "batch_size", "img_size", "frames", "infer", "train", "channels_last",
-           "compile", "opt", "lr", "device", "back_to_back", "deadline_s", "resume", "chart",
+           "compile", "opt", "lr", "device", "back_to_back", "rounds", "deadline_s", "resume", "chart",
            "skip_dense_for_dilated")
 
 

@@ -383,6 +383,7 @@ class BenchOptions:
     device: str = "auto"
     timing: TimingSettings | None = None     # None: device defaults (see defaults_for)
     back_to_back: int | None = None          # steps per timed sample; None: the timing's (5 on CUDA, 1 on CPU)
+    rounds: int = 1                          # the whole plan this many times, rows alternating; medians reported
     deadline_s: float | None = None          # stop starting rows after this many seconds
     min_row_s: float = 5.0                   # rows are not started with less time than this left
     resume: bool = False                     # skip rows already in out_dir/rows.jsonl
@@ -458,6 +459,8 @@ class _Run:
         if timing is not None:  # how the steps were timed, which the command leaves to the defaults
             self.meta["timing"] = (f"warmup {timing.warmup}, up to {timing.iters} samples of {timing.back_to_back} "
                                    f"back-to-back steps")
+        if options.rounds > 1:
+            self.meta["rounds"] = f"{options.rounds} (rows alternating; each row the median over its rounds)"
         self.done = {report.row_key(r): r for r in report.read_rows(self.rows_path) if r.get("status") != "skipped"}
         # a backend phase that once killed the CUDA context is not tried again in this run
         self.crashed = {(r["backend"], r["crash"]): f"{r['model']} {r['precision']}" for r in self.done.values()
@@ -476,7 +479,7 @@ class _Run:
 
     def write(self, row: dict) -> None:
         report.append_row(self.rows_path, row)
-        report.write_tables(report.read_rows(self.rows_path), self.out_dir, self.meta)
+        report.write_tables(report.merge_rounds(report.read_rows(self.rows_path)), self.out_dir, self.meta)
 
 
 def _backends_for(run: _Run, spec: ModelSpec, group_models: Sequence[str], all_models: Sequence[str]) -> list[str]:
@@ -504,38 +507,21 @@ def run_benchmarks(options: BenchOptions, out_dir: str, *, command: str | None =
         check_precision(p)
     for b in options.backends:
         _check_backend(b)
+    if int(options.rounds) < 1:
+        raise ValueError(f"rounds: must be >= 1, got {options.rounds!r}")
     deadline = deadline_at or (time.time() + options.deadline_s if options.deadline_s else None)
     run = _Run(options, out_dir, command)
     groups = model_groups(options.models)
     all_models = [m for g in groups for m in g]
     lost_context = None
     # planned rows: every backend for every model; a model's row count is corrected once its backends are known
-    bar = tqdm(total=len(all_models) * len(options.precisions) * len(options.backends), desc="throughput",
+    bar = tqdm(total=options.rounds * len(all_models) * len(options.precisions) * len(options.backends),
+               desc="throughput",
                unit="row", disable=None if progress is None else not progress, dynamic_ncols=True)
     with bar, logging_redirect_tqdm():
-        for group in groups:
-            for precision in options.precisions:
-                for name in group:
-                    spec = model_spec(name, options.img_size, options.frames)
-                    bar.set_postfix_str(f"{name} {precision}")
-                    try:
-                        backends = _backends_for(run, spec, group, all_models) if lost_context is None else \
-                            list(options.backends)
-                    except Exception as err:  # noqa: BLE001  (a model that does not build is reported, not fatal)
-                        run.write(dict(_not_run(name, NO_BACKEND, precision, _short(err), spec.img_size, device),
-                                       status="error"))
-                        bar.total -= len(options.backends) - 1
-                        bar.update(1)
-                        continue
-                    bar.total -= len(options.backends) - len(backends)
-                    bar.refresh()
-                    for backend in backends:
-                        bar.set_postfix_str(f"{name} {backend} {precision}")
-                        try:
-                            lost_context = _run_row(run, spec, backend, precision, lost_context, deadline, restart)
-                        finally:
-                            bar.update(1)
-    rows = report.read_rows(run.rows_path)
+        for round_index in range(options.rounds):  # every row once per round: the rows alternate
+            lost_context = _run_round(run, groups, all_models, bar, round_index, lost_context, deadline, restart)
+    rows = report.merge_rounds(report.read_rows(run.rows_path))
     report.write_tables(rows, out_dir, run.meta)
     if options.chart:
         report.plot(rows, os.path.join(out_dir, "throughput.png"),
@@ -543,18 +529,52 @@ def run_benchmarks(options: BenchOptions, out_dir: str, *, command: str | None =
     return rows
 
 
+def _run_round(run: _Run, groups: list[list[str]], all_models: list[str], bar, round_index: int,
+               lost_context: str | None, deadline: float | None, restart: Callable[[], None] | None) -> str | None:
+    """Every row of the plan once (one round); returns the lost-CUDA-context reason, if any."""
+    options, device = run.options, run.device
+    for group in groups:
+        for precision in options.precisions:
+            for name in group:
+                spec = model_spec(name, options.img_size, options.frames)
+                bar.set_postfix_str(f"{name} {precision}")
+                try:
+                    backends = _backends_for(run, spec, group, all_models) if lost_context is None else \
+                        list(options.backends)
+                except Exception as err:  # noqa: BLE001  (a model that does not build is reported, not fatal)
+                    row = dict(_not_run(name, NO_BACKEND, precision, _short(err), spec.img_size, device),
+                               status="error")
+                    run.write(dict(row, round=round_index) if options.rounds > 1 else row)
+                    bar.total -= len(options.backends) - 1
+                    bar.update(1)
+                    continue
+                bar.total -= len(options.backends) - len(backends)
+                bar.refresh()
+                for backend in backends:
+                    bar.set_postfix_str(f"{name} {backend} {precision}")
+                    try:
+                        lost_context = _run_row(run, spec, backend, precision, lost_context, deadline, restart,
+                                                round_index)
+                    finally:
+                        bar.update(1)
+    return lost_context
+
+
 def _run_row(run: _Run, spec: ModelSpec, backend: str, precision: str, lost_context: str | None,
-             deadline: float | None, restart: Callable[[], None] | None) -> str | None:
-    """Measures (or records as not run) one row of the plan; returns the lost-CUDA-context reason, if any."""
+             deadline: float | None, restart: Callable[[], None] | None, round_index: int = 0) -> str | None:
+    """Measures (or records as not run) one row of the plan in one round; returns the lost-CUDA-context reason, if
+    any."""
     name, device, options = spec.name, run.device, run.options
-    key = (name, backend, precision)
+    key = (name, backend, precision, round_index)
+    in_round = {"round": round_index} if options.rounds > 1 else {}
     if key in run.done:
         return lost_context
     if lost_context is not None:
-        run.write(_not_run(name, backend, precision, lost_context, spec.img_size, device))
+        run.write(dict(_not_run(name, backend, precision, lost_context, spec.img_size, device), **in_round))
         return lost_context
     if deadline is not None and deadline - time.time() < options.min_row_s:
-        run.write(_not_run(name, backend, precision, "not run: time budget spent", spec.img_size, device))
+        run.write(dict(_not_run(name, backend, precision, "not run: time budget spent", spec.img_size, device),
+                       **in_round))
         return lost_context
     try:
         row = _measure_row(run, spec, backend, precision)
@@ -562,6 +582,7 @@ def _run_row(run: _Run, spec: ModelSpec, backend: str, precision: str, lost_cont
         row = dict(_not_run(name, backend, precision, _short(err), spec.img_size, device), status="error")
     if row.get("cuda_ok", True) and not cuda_context_ok(device):
         row.update(cuda_ok=False, crash=row.get("crash") or "infer")
+    row.update(in_round)
     run.write(row)  # before anything else: a restart or a kill keeps it
     run.done[key] = row
     tqdm.write(_row_line(row))  # above the progress bar
@@ -633,6 +654,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--back-to-back", type=int, default=None,
                    help=f"steps per timed sample, run without a synchronisation between them (default "
                         f"{BACK_TO_BACK} on CUDA, 1 on CPU; 1 times each step alone)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure the whole plan this many times, one row after another in each round, and report "
+                        "each row's median over the rounds (rows of one run then see the same machine conditions)")
     p.add_argument("--deadline", type=float, default=None, help="start no row after this many seconds")
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--keep-gc", action="store_true", help="leave Python's garbage collector on while timing")
@@ -667,7 +691,8 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
         models=args.models, backends=args.backends, precisions=args.precisions, batch_size=args.batch,
         img_size=args.img_size, frames=args.frames, infer=not args.no_infer, train=not args.no_train,
         channels_last=args.channels_last, compile=args.compile or False, opt=args.opt, lr=args.lr, device=args.device,
-        timing=timing, back_to_back=args.back_to_back, deadline_s=args.deadline, resume=args.resume,
+        timing=timing, back_to_back=args.back_to_back, rounds=args.rounds, deadline_s=args.deadline,
+        resume=args.resume,
         chart=not args.no_chart,
         skip_dense_for_dilated=not args.keep_dense_dilated,
     )
