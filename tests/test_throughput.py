@@ -359,6 +359,20 @@ def test_rounds_alternate_rows_and_report_medians(tmp_path):
         run_benchmarks(BenchOptions(models=["nat_digits"], device="cpu", rounds=0), str(tmp_path / "bad"))
 
 
+
+def test_merged_rounds_take_a_measured_round_as_their_base():
+    """A row that failed in one round and was measured in the others reports the measured rounds' median and status."""
+    from namodels.benchmark.report import merge_rounds
+
+    def row(round_index, status, rate):
+        return dict(model="m", backend="fused", precision="bf16", round=round_index, status=status,
+                    infer_samples_per_sec=rate, infer_error=None if rate else "OOM")
+
+    merged, = merge_rounds([row(0, "error", None), row(1, "ok", 10.0), row(2, "ok", 30.0)])
+    assert merged["status"] == "ok" and merged["infer_error"] is None and merged["rounds"] == 3
+    assert merged["infer_samples_per_sec"] == 20.0 and merged["infer_samples_per_sec_rounds"] == [10.0, 30.0]
+
+
 def test_deadline_records_rows_as_not_run(tmp_path):
     options = BenchOptions(models=["nat_digits"], backends=["naive"], precisions=["fp32"], batch_size=2,
                            img_size=32, device="cpu", timing=FAST, deadline_s=1e-3, min_row_s=1e9, chart=False)

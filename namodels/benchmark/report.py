@@ -42,9 +42,10 @@ ROUND_MEDIANS = tuple(f"{phase}_{name}" for phase in ("infer", "train")
 
 
 def merge_rounds(rows: list[dict]) -> list[dict]:
-    """One row per (model, backend, precision): a row measured in several rounds (``round`` 0, 1, ...) becomes the
-    first round's row with the medians of ``ROUND_MEDIANS`` over the rounds that have them, the rounds'
-    samples/s as ``<phase>_samples_per_sec_rounds`` and ``rounds`` the count; a row of one round is kept as it is."""
+    """One row per (model, backend, precision): a row measured in several rounds (``round`` 0, 1, ...) becomes its
+    first fully measured round's row with the medians of ``ROUND_MEDIANS`` over the rounds that have them, the
+    rounds' samples/s as ``<phase>_samples_per_sec_rounds`` and ``rounds`` the count; a row of one round is kept as
+    it is."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault(row_key(row)[:3], []).append(row)
@@ -54,7 +55,8 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
             merged.append(group[0])
             continue
         group.sort(key=lambda r: r.get("round", 0))
-        row = {k: v for k, v in group[0].items() if k != "round"}
+        base = next((r for r in group if r.get("status") == "ok"), group[0])  # a measured round's facts and status
+        row = {k: v for k, v in base.items() if k != "round"}
         row["rounds"] = len(group)
         for name in ROUND_MEDIANS:
             values = [r[name] for r in group if r.get(name) is not None]
