@@ -542,9 +542,8 @@ def _run_round(run: _Run, groups: list[list[str]], all_models: list[str], bar, r
                     backends = _backends_for(run, spec, group, all_models) if lost_context is None else \
                         list(options.backends)
                 except Exception as err:  # noqa: BLE001  (a model that does not build is reported, not fatal)
-                    row = dict(_not_run(name, NO_BACKEND, precision, _short(err), spec.img_size, device),
-                               status="error")
-                    run.write(dict(row, round=round_index) if options.rounds > 1 else row)
+                    run.write(dict(_not_run(name, NO_BACKEND, precision, _short(err), spec.img_size, device),
+                                   status="error", **_round_tag(options, round_index)))
                     bar.total -= len(options.backends) - 1
                     bar.update(1)
                     continue
@@ -560,13 +559,18 @@ def _run_round(run: _Run, groups: list[list[str]], all_models: list[str], bar, r
     return lost_context
 
 
+def _round_tag(options: BenchOptions, round_index: int) -> dict:
+    """What a row records of its round: nothing in a run of one round (its rows read as before)."""
+    return {"round": round_index} if options.rounds > 1 else {}
+
+
 def _run_row(run: _Run, spec: ModelSpec, backend: str, precision: str, lost_context: str | None,
              deadline: float | None, restart: Callable[[], None] | None, round_index: int = 0) -> str | None:
     """Measures (or records as not run) one row of the plan in one round; returns the lost-CUDA-context reason, if
     any."""
     name, device, options = spec.name, run.device, run.options
     key = (name, backend, precision, round_index)
-    in_round = {"round": round_index} if options.rounds > 1 else {}
+    in_round = _round_tag(options, round_index)
     if key in run.done:
         return lost_context
     if lost_context is not None:
@@ -692,9 +696,7 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
         img_size=args.img_size, frames=args.frames, infer=not args.no_infer, train=not args.no_train,
         channels_last=args.channels_last, compile=args.compile or False, opt=args.opt, lr=args.lr, device=args.device,
         timing=timing, back_to_back=args.back_to_back, rounds=args.rounds, deadline_s=args.deadline,
-        resume=args.resume,
-        chart=not args.no_chart,
-        skip_dense_for_dilated=not args.keep_dense_dilated,
+        resume=args.resume, chart=not args.no_chart, skip_dense_for_dilated=not args.keep_dense_dilated,
     )
 
 

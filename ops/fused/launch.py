@@ -262,11 +262,10 @@ def _compiled_launch(plan: _Launch, tensors) -> bool:
     compiled = plan.compiled
     if compiled is None or _alignment(tensors) != plan.aligned:
         return False
-    driver = triton.runtime.driver.active
     device = _current_device()
     if device != plan.device:  # the compiled module is loaded on the device it was launched on
         return False
-    stream = driver.get_current_stream(device)
+    stream = triton.runtime.driver.active.get_current_stream(device)
     args = (*tensors, *plan.scalars, *plan.constexprs)
     # launch hooks (profilers) get what Triton's own launch would give them; an empty hook chain
     # (what Triton installs by default) is passed as None, which skips building the launch metadata
@@ -277,11 +276,14 @@ def _compiled_launch(plan: _Launch, tensors) -> bool:
     return True
 
 
+# torch's direct query of the current CUDA device, where this torch has it (looked up once: every launch asks)
+_CUDA_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
 def _current_device() -> int:
     """The current CUDA device; a compiled plan exists only once CUDA is up, so torch's lazy-init check (a few
     microseconds per launch) is skipped where this torch has the direct query."""
-    getter = getattr(torch._C, "_cuda_getDevice", None)
-    return getter() if getter is not None else torch.cuda.current_device()
+    return _CUDA_GET_DEVICE() if _CUDA_GET_DEVICE is not None else torch.cuda.current_device()
 
 
 def _hook(hook):
