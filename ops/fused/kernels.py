@@ -640,12 +640,12 @@ def _tile_value(bias, inv_qk_scale, BIAS):
 
 @triton.jit
 def na_bias_tiles_kernel(
-    RPB, BIAS, HQ, inv_qk_scale,
+    RPB, BIAS, ZEROED, HQ, inv_qk_scale,
     L0, L1, L2, K0, K1, K2, S0, S1, S2, D0, D1, D2, NT0, NT1, NT2, BOXES,
     CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
     ACT0: tl.constexpr, ACT1: tl.constexpr,
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
-    U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, OFFSETS: tl.constexpr,
+    U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, OFFSETS: tl.constexpr, ZERO_TILES: tl.constexpr,
 ):
     """The score bias of every box a query-tile program visits, shared by the whole batch: ``BIAS[h, program, box]``
     is a [queries, keys] tile holding ``log2(e) * rpb`` at each pair's offset where the key lies in the query's window
@@ -656,7 +656,10 @@ def na_bias_tiles_kernel(
 
     ``OFFSETS``: instead, the int32 flat RPB offset of each (query, key) pair inside the query's window, -1 elsewhere
     and on rows past the group (one set of tiles, ``HQ`` = 1, ``RPB`` unused): where dQ's tile-layout dS belongs in
-    dRPB (``rpb_grad.tile_gather_index``)."""
+    dRPB (``rpb_grad.tile_gather_index``).
+
+    ``ZERO_TILES``: also zero the float32 buffer ``ZEROED`` of the same layout at every box the program visits (dQ's
+    tile-layout dS, which dQ then adds to by atomics): a fill kernel less per backward."""
     g0, tile0, g1, tile1, g2, tile2, b, h, Lg0, Lg1, Lg2 = _program_group(NT0, NT1, NT2, D0, D1, D2, L0, L1, L2, HQ,
                                                                          ACT0, ACT1)
     (q_ok, q_tok, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2,
@@ -666,6 +669,7 @@ def na_bias_tiles_kernel(
     c0, c1, c2 = _tile_coords(U0, U1, U2)
     box = T0 * T1 * T2 * U0 * U1 * U2
     out = _program_tiles(BIAS, h, BOXES, box)
+    zeroed = _program_tiles(ZEROED, h, BOXES, box)
     offs = _box_offsets(T0 * T1 * T2, U0 * U1 * U2)
     table = RPB + h * ((2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1))
     n0 = tl.cdiv(hi0 - lo0, U0)
@@ -687,6 +691,8 @@ def na_bias_tiles_kernel(
             bias = _bias_tile(table, qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, kj0, kj1, kj2, K0,
                               K1, K2, ACT0, ACT1, False)
             tl.store(out + t * box + offs, _tile_value(bias, inv_qk_scale, BIAS))
+            if ZERO_TILES:
+                tl.store(zeroed + t * box + offs, tl.zeros((T0 * T1 * T2, U0 * U1 * U2), tl.float32))
 
 
 @triton.jit

@@ -392,13 +392,17 @@ def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True,
     return out, lse
 
 
-def _bias_tiles(spec, table, stand_in):
-    """The per-box RPB tiles of this call's rpb (``spec``: the plan's ``bias_tiles``), or ``stand_in`` without."""
+def _bias_tiles(spec, table, stand_in, zeroed=None):
+    """The per-box RPB tiles of this call's rpb (``spec``: the plan's ``bias_tiles``), or ``stand_in`` without.
+    ``zeroed``: the float32 buffer of the same layout that a generator with ``ZERO_TILES`` zeroes (dQ's dS tiles)."""
     if spec is None:
         return stand_in
     launch, numel, dtype = spec
     tiles = _empty((numel,), dtype, stand_in.device)
-    launch((table, tiles))
+    if "ZERO_TILES" in launch.meta:  # na_bias_tiles_kernel (the inverse generator has no buffer to zero)
+        launch((table, tiles, tiles if zeroed is None else zeroed))
+    else:
+        launch((table, tiles))
     return tiles
 
 
@@ -502,7 +506,7 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -
         tiles = None
         if meta["BIAS_TILES"]:
             tiles = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, hq, scale, window, boxes, meta, tile,
-                                     bias_tiles_dtype(q.dtype), OFFSETS=False)
+                                     bias_tiles_dtype(q.dtype), OFFSETS=False, ZERO_TILES=False)
         return _chunked(kernels.na_fwd_kernel, programs, hq, b, scalars, meta), layouts, tiles
 
     @functools.cache
@@ -598,11 +602,12 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
         table = q  # a stand-in: without RPB the kernels do not read it
     delta = _empty((b, n, hq), torch.float32, dev)  # written by dQ, read by dK/dV
     ds = None if plan.ds_window is None else _window_ds_buffer(plan.ds_window, plan.ds_atomic, dev)
-    if plan.ds_tiles:
-        ds = torch.zeros(plan.ds_tiles, dtype=torch.float32, device=dev)
+    if plan.ds_tiles:  # zeroed by dQ's tile generator, at the boxes dQ adds to
+        ds = _empty((plan.ds_tiles,), torch.float32, dev)
     _run_chunks(plan.dq_launches, (q, k, v, table, d_out, lse, delta, dq,
                                    *descriptor_args(q, plan.dq_layouts, (k, v)), q if ds is None else ds,
-                                   _bias_tiles(plan.dq_bias_tiles, table, q), out, delta if d_lse is None else d_lse))
+                                   _bias_tiles(plan.dq_bias_tiles, table, q, ds if plan.ds_tiles else None), out,
+                                   delta if d_lse is None else d_lse))
     _run_chunks(plan.dkdv_launches, (q, k, v, table, d_out, lse, delta, dk, dvv,
                                      *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out)),
                                      _bias_tiles(plan.dkdv_bias_tiles, table, q)))
@@ -674,9 +679,9 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         tiles = offsets = None
         if meta["BIAS_TILES"]:
             tiles = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, hq, scale, window, boxes, meta, tile,
-                                     tiles_dtype, OFFSETS=False)
+                                     tiles_dtype, OFFSETS=False, ZERO_TILES=meta["DS_BOXES"])
             offsets = _bias_tiles_spec(kernels.na_bias_tiles_kernel, programs, 1, scale, window, boxes, meta, tile,
-                                       torch.int32, OFFSETS=True)
+                                       torch.int32, OFFSETS=True, ZERO_TILES=False)
         return _chunked(kernels.na_bwd_dq_kernel, programs, hq, b, scalars, meta), layouts, tiles, offsets
 
     @functools.cache
@@ -722,13 +727,15 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         launches, layouts, tiles, _ = decide_dq(config)
         s = tuning_inputs()
         ds = s["ds"]
-        if launches[0][0].meta["DS_BOXES"]:  # the tile-layout buffer's size follows the candidate's tiles
-            ds = torch.zeros(tiles[1], dtype=torch.float32, device=q.device)
+        ds_boxes = launches[0][0].meta["DS_BOXES"]
+        if ds_boxes:  # the tile-layout buffer's size follows the candidate's tiles; its tile generator zeroes it
+            ds = torch.empty(tiles[1], dtype=torch.float32, device=q.device)
         elif ds_atomic and ds is not None:  # each candidate run adds from zero
             ds.zero_()
         _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dq"],
                                *descriptor_args(q4, layouts, (k4, v4)), q4 if ds is None else ds,
-                               _bias_tiles(tiles, s["table"], q4), o4, s["delta"] if dlse is None else dlse))
+                               _bias_tiles(tiles, s["table"], q4, ds if ds_boxes else None), o4,
+                               s["delta"] if dlse is None else dlse))
 
     def run_dkdv(config):
         launches, layouts, tiles = decide_dkdv(config)

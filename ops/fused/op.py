@@ -65,6 +65,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, rpb, out, lse)
     ctx.window = (kernel_size, stride, dilation, is_causal, scale)
+    ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient (one kernel and one read saved)
 
 
 def _deterministic() -> bool:
@@ -154,6 +155,7 @@ def _packed_setup_context(ctx, inputs, output):
     qkv, rpb, kernel_size, stride, dilation, is_causal, scale = inputs
     ctx.save_for_backward(qkv, rpb, *output)
     ctx.window = (kernel_size, stride, dilation, is_causal, scale)
+    ctx.set_materialize_grads(False)
 
 
 def _packed_backward(ctx, d_out, d_lse):

@@ -163,7 +163,7 @@ def tile_index(key: tuple, offsets_launch, elements: int, n_rel: int, device: to
     CUDA-graph pools, like the slot tables."""
     def build():
         offsets = torch.full((elements,), -1, dtype=torch.int32, device=device)  # boxes past a program's loop: -1
-        offsets_launch((offsets, offsets))  # (RPB unused in this mode, BIAS)
+        offsets_launch((offsets, offsets, offsets))  # (RPB unused in this mode, BIAS, ZEROED unused)
         return tile_gather_index(offsets, n_rel)
 
     return _cached(_TILE_INDEX, (key, device), build, device)
