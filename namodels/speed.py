@@ -1,5 +1,5 @@
 """What makes a training step fast, shared by the training tasks and the throughput benchmark: the
-``torch.compile`` mode and the fastest implementation of the optimizer."""
+``torch.compile`` mode and options, and the fastest implementation of the optimizer."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +18,26 @@ def compile_mode(value) -> str | None:
     if value not in COMPILE_MODES:
         raise ValueError(f"compile: expected false, true or one of {COMPILE_MODES}, got {value!r}")
     return value
+
+
+# Inductor options added to every compile mode, for every model alike.  Combo kernels launch independent pointwise
+# kernels of a graph (weight casts, bias-gradient casts, elementwise epilogues) as one: a CUDA-graph step pays a
+# fixed GPU-side gap per kernel node, and a deep model's compiled training step is made of thousands of small
+# kernels (docs/performance.md).  Pointwise only: combined reductions ran slower than separate ones.
+COMPILE_OPTIONS = {"combo_kernels": True, "combo_kernels_pointwise_only": True}
+
+
+def compile_options(mode: str) -> dict:
+    """Inductor options of ``torch.compile`` in ``mode`` (a ``COMPILE_MODES`` name) plus ``COMPILE_OPTIONS``:
+    ``torch.compile`` takes a mode or options, not both, so the mode is spelled out as its options."""
+    from torch._inductor import list_mode_options
+
+    return {**list_mode_options(mode), **COMPILE_OPTIONS}
+
+
+def compiled(module, mode: str):
+    """``torch.compile(module)`` in ``mode`` with the project's inductor options."""
+    return torch.compile(module, options=compile_options(mode))
 
 
 def optimizer_kwargs(opt: str, device: torch.device) -> dict:

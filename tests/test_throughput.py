@@ -404,23 +404,28 @@ def test_report_marks_host_bound_steps():
 
 
 def test_compile_modes_and_optimizer_choice():
-    from namodels.speed import compile_mode, optimizer_kwargs
+    from namodels.speed import compile_mode, compile_options, optimizer_kwargs
 
     assert [compile_mode(v) for v in (False, None, "none", True, "reduce-overhead")] == \
         [None, None, None, "default", "reduce-overhead"]
     with pytest.raises(ValueError, match="compile"):
         compile_mode("fast")
+    # a mode spelled out as its options, plus the project's (torch.compile takes one or the other)
+    assert compile_options("reduce-overhead") == {"triton.cudagraphs": True, "combo_kernels": True,
+                                                  "combo_kernels_pointwise_only": True}
+    assert compile_options("default") == {"combo_kernels": True, "combo_kernels_pointwise_only": True}
     assert optimizer_kwargs("adamw", torch.device("cuda")) == {"fused": True}
     assert optimizer_kwargs("adamw", torch.device("cpu")) == {} == optimizer_kwargs("sgd", torch.device("cuda"))
 
 
 def test_compiled_row_records_its_mode(tmp_path):
-    """``--compile MODE`` reaches torch.compile and the row; CPU rows have no GPU time."""
+    """``--compile MODE`` reaches torch.compile (as that mode's options plus the project's) and the row; CPU rows
+    have no GPU time."""
     seen = []
     real_compile = torch.compile
 
     def spy(model, **kwargs):
-        seen.append(kwargs.get("mode"))
+        seen.append(kwargs)
         return real_compile(model, backend="eager")
 
     import namodels.benchmark.throughput as throughput
@@ -430,7 +435,9 @@ def test_compiled_row_records_its_mode(tmp_path):
                                             lambda b, d: torch.randn(b, 3, 32, 32, device=d), name="nat_digits",
                                             backend="naive", precision="fp32", batch_size=2, device="cpu",
                                             settings=FAST, compile="max-autotune", count_flops=False)
-    assert seen == ["max-autotune"] and row["compile"] == "max-autotune" and row["status"] == "ok"
+    assert len(seen) == 1 and "mode" not in seen[0] and row["compile"] == "max-autotune" and row["status"] == "ok"
+    assert seen[0]["options"]["max_autotune"] and seen[0]["options"]["triton.cudagraphs"]
+    assert seen[0]["options"]["combo_kernels"]
     assert row["infer_gpu_ms"] is None and row["train_gpu_ms"] is None
 
 

@@ -385,13 +385,16 @@ def test_module_lr_scaling_and_weight_decay_groups():
 
 @pytest.mark.parametrize("setting,mode", [("false", None), ("default", "default"), ("reduce-overhead", "reduce-overhead")])
 def test_model_compile_switch_reaches_the_module(setting, mode, monkeypatch):
-    """``model.compile=<mode>`` is the one switch: the task's module compiles its model in place with that mode."""
+    """``model.compile=<mode>`` is the one switch: the task's module compiles its model in place with that mode's
+    options plus the project's inductor options (the benchmark's)."""
+    from namodels.speed import compile_options
+
     cfg = compose_cfg("train", [f"model.compile={setting}"])
     module_cfg = OmegaConf.to_container(cfg.task.module, resolve=True)
     seen = []
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw.get("mode")))
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
     module = ClassificationModule(**{k: v for k, v in module_cfg.items() if not k.startswith("_")})
-    assert seen == ([mode] if mode else [])
+    assert seen == ([dict(options=compile_options(mode))] if mode else [])
     assert module.hparams.compile == (mode or False)
     with pytest.raises(ValueError, match="compile"):
         ClassificationModule(**{**{k: v for k, v in module_cfg.items() if not k.startswith("_")}, "compile": "fastest"})

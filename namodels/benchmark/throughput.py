@@ -43,7 +43,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import ops
 
 from ..backend import set_backend
-from ..speed import COMPILE_MODES, compile_mode, optimizer_kwargs
+from ..speed import COMPILE_MODES, compile_mode, compile_options, compiled, optimizer_kwargs
 from . import report
 from .flops import count_macs
 from .models import swap_dense_attention
@@ -306,7 +306,7 @@ def measure_throughput(
     if macs is not None:
         row["infer_gmacs"] = round(macs["macs"] / 1e9, 6)
         row["na_gmacs"] = round(macs["na_macs"] / 1e9, 6)
-    runner = torch.compile(model, mode=mode) if mode else model
+    runner = compiled(model, mode) if mode else model
     backend_ctx = set_backend(model, na_backend) if na_backend else contextlib.nullcontext()
     phases = [("infer", infer), ("train", train)]
     skip_reason = None
@@ -459,6 +459,8 @@ class _Run:
         if timing is not None:  # how the steps were timed, which the command leaves to the defaults
             self.meta["timing"] = (f"warmup {timing.warmup}, up to {timing.iters} samples of {timing.back_to_back} "
                                    f"back-to-back steps")
+        if compile_mode(options.compile):  # every model compiles with the same inductor options
+            self.meta["compile_options"] = compile_options(compile_mode(options.compile))
         if options.rounds > 1:
             self.meta["rounds"] = f"{options.rounds} (rows alternating; each row the median over its rounds)"
         self.done = {report.row_key(r): r for r in report.read_rows(self.rows_path) if r.get("status") != "skipped"}

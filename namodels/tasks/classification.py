@@ -35,7 +35,7 @@ import ops
 
 from ..data.datamodule import epoch_seed
 from ..data.decoding import UnreadableFiles
-from ..speed import compile_mode, optimizer_kwargs
+from ..speed import compile_mode, compile_options, optimizer_kwargs
 from ..utils.checks import check_choice, check_range
 from ..utils.distributed import SYNCED
 from .models import create_model, export_weights
@@ -107,7 +107,7 @@ class ClassificationModule(pl.LightningModule):
             if ema_cfg["enabled"] else None
         mode = compile_mode(compile)
         if mode:  # in place: parameter names (and checkpoints) stay the same
-            self.model.compile(mode=mode)
+            self.model.compile(options=compile_options(mode))
 
         self.mixup_fn = None
         if mix["mixup_alpha"] > 0 or mix["cutmix_alpha"] > 0 or mix["cutmix_minmax"] is not None:
