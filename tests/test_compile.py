@@ -60,12 +60,12 @@ def test_fused_models_compile_to_one_graph_without_recompiles(name, kwargs, shap
     assert report["grads"]
 
 
-@pytest.mark.parametrize("packed", [True, False])
-@pytest.mark.parametrize("return_lse", [False, True])
-def test_compiled_backward_makes_no_gradient_for_an_unused_lse(packed, return_lse, monkeypatch):
+@pytest.mark.parametrize("packed_drops_lse", [True, False])
+def test_compiled_backward_makes_no_gradient_for_an_unused_lse(packed_drops_lse, monkeypatch):
     """The fused op's lse output is differentiable, but a caller that drops it (every model block) must not get a
     zero-filled lse gradient in the compiled backward graph (a kernel and a read per call); a caller that uses it
-    gets its gradient.  Gradients are checked against the dense-mask oracle."""
+    gets its gradient.  One graph calls the packed and the unpacked op, one of them dropping lse and the other
+    using it; gradients are checked against the dense-mask oracle."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import torch
     from torch._dynamo.backends.common import aot_autograd
@@ -83,27 +83,26 @@ def test_compiled_backward_makes_no_gradient_for_an_unused_lse(packed, return_ls
     qkv = torch.randn(1, 6, 6, 3, 2, 8, generator=gen, requires_grad=True)
     rpb = torch.randn(2, 5, 5, generator=gen, requires_grad=True)
 
-    def loss(qkv, rpb, attend):
-        result = attend(qkv, rpb)
-        if return_lse:
-            out, lse = result
-            return out.square().sum() + lse.sum()
-        return result.square().sum()
-
-    def fused(qkv, rpb):
+    def fused(qkv, rpb, packed, return_lse):
         if packed:
             return ops.neighborhood_attention_qkvpacked(2, qkv, 3, rpb=rpb, return_lse=return_lse, backend="fused")
         return ops.neighborhood_attention(2, *qkv.unbind(-3), 3, rpb=rpb, return_lse=return_lse, backend="fused")
 
-    compiled = torch.compile(lambda qkv, rpb: loss(qkv, rpb, fused), fullgraph=True,
-                             backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=bw_compiler))
-    got = torch.autograd.grad(compiled(qkv, rpb), (qkv, rpb))
-    def dense(qkv, rpb):
+    def oracle(qkv, rpb, packed, return_lse):
         out, lse = oracle_attention(*qkv.unbind(-3), (6, 6), (3, 3), (1, 1), (1, 1), (False, False), rpb=rpb)
         return (out, lse) if return_lse else out
 
-    want = torch.autograd.grad(loss(qkv, rpb, dense), (qkv, rpb))
-    assert any("fused_na" in op for op in backward_ops)
+    def loss(qkv, rpb, attend):
+        dropped = attend(qkv, rpb, packed_drops_lse, False)
+        out, lse = attend(qkv * 0.5, rpb, not packed_drops_lse, True)
+        return dropped.square().sum() + out.square().sum() + lse.sum()
+
+    compiled = torch.compile(lambda qkv, rpb: loss(qkv, rpb, fused), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=bw_compiler))
+    got = torch.autograd.grad(compiled(qkv, rpb), (qkv, rpb))
+    want = torch.autograd.grad(loss(qkv, rpb, oracle), (qkv, rpb))
+    assert {op for op in backward_ops if "fused_na" in op} == {"namodels.fused_na_packed_backward.default",
+                                                               "namodels.fused_na_backward.default"}
     zero_fills = [op for op in backward_ops if "zeros" in op or "full" in op]
     assert zero_fills == [], zero_fills
     for g, w in zip(got, want):
