@@ -459,8 +459,9 @@ class _Run:
         if timing is not None:  # how the steps were timed, which the command leaves to the defaults
             self.meta["timing"] = (f"warmup {timing.warmup}, up to {timing.iters} samples of {timing.back_to_back} "
                                    f"back-to-back steps")
-        if compile_mode(options.compile):  # every model compiles with the same inductor options
-            self.meta["compile_options"] = compile_options(compile_mode(options.compile))
+        mode = compile_mode(options.compile)
+        if mode:  # every model compiles with the same inductor options
+            self.meta["compile_options"] = compile_options(mode)
         if options.rounds > 1:
             self.meta["rounds"] = f"{options.rounds} (rows alternating; each row the median over its rounds)"
         self.done = {report.row_key(r): r for r in report.read_rows(self.rows_path) if r.get("status") != "skipped"}
