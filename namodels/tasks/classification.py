@@ -38,6 +38,7 @@ from ..data.decoding import UnreadableFiles
 from ..speed import compile_mode, compile_options, optimizer_kwargs
 from ..utils.checks import check_choice, check_range
 from ..utils.distributed import SYNCED
+from .clipping import clip_gradients
 from .models import create_model, export_weights
 from .options import merged_options, plain
 
@@ -326,6 +327,10 @@ class ClassificationModule(pl.LightningModule):
                  lr, opt["lr"], global_batch, opt["lr_base_batch"], updates_per_epoch, epochs,
                  sched["cooldown_epochs"])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        # the fused AdamW unscales inside its step, which Lightning's mixed precision refuses to clip for
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def lr_scheduler_step(self, scheduler, metric) -> None:
         # timm schedulers are stepped with the number of optimizer updates so far (per-iteration schedule)

@@ -33,6 +33,7 @@ from ..data.video import check_data_config
 from ..speed import optimizer_kwargs
 from ..utils.checks import check_choice, check_range
 from ..utils.distributed import SYNCED
+from .clipping import clip_gradients
 from .options import merged_options, plain
 from .models import create_model, export_weights
 
@@ -219,6 +220,10 @@ class VideoTask(pl.LightningModule):
                                       warmup_lr_init=sched["warmup_lr"], t_in_epochs=False)
         log.info("video task: lr %.3g, %d optimizer steps (%d warmup)", opt["lr"], total, warmup)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        # the fused AdamW unscales inside its step, which Lightning's mixed precision refuses to clip for
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def lr_scheduler_step(self, scheduler, metric) -> None:
         scheduler.step_update(num_updates=self.global_step)
