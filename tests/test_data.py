@@ -68,8 +68,11 @@ def test_imagenet_folder_layout(tmp_path):
     dm.use_model_defaults(MODEL_DEFAULTS)
     dm.setup("fit")
     images, targets, skipped = next(iter(dm.train_dataloader()))
-    assert images.shape == (2, 3, 16, 16) and images.dtype == torch.float32
+    assert images.shape == (2, 3, 16, 16) and images.dtype == torch.uint8  # normalised after the transfer
     assert targets.dtype == torch.int64 and skipped == []
+    normalised, same_targets, _ = dm.on_after_batch_transfer((images, targets, skipped), 0)
+    assert normalised.dtype == torch.float32 and same_targets is targets
+    torch.testing.assert_close(normalised, (images.float() / 255 - 0.5) / 0.5, rtol=0, atol=1e-6)  # MODEL_DEFAULTS
     batches = list(dm.val_dataloader())
     assert sum(b[0].shape[0] for b in batches) == len(made["val"])
 

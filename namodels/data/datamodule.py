@@ -1,7 +1,9 @@
 """Lightning data module for image classification (every ``data.format`` of :mod:`namodels.data.sources`).
 
-Augmentation is timm's ``create_transform`` (RandomResizedCrop, flips, color jitter, RandAugment,
-random erasing); mean/std, interpolation and crop_pct default to the model's pretrained config.
+Augmentation is timm's ``create_transform`` (RandomResizedCrop, flips, color jitter, RandAugment), run by the
+loader workers up to uint8 images; normalisation and random erasing run on the batch's device after the transfer
+(``on_after_batch_transfer``, :mod:`namodels.data.device_transforms`).  Mean/std, interpolation and crop_pct
+default to the model's pretrained config.
 
 Reproducibility: the training order depends only on ``(seed, epoch)`` and so do the dataloader worker
 seeds, so a run resumed from an end-of-epoch checkpoint sees the same batches as an uninterrupted
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from ..utils.checks import check_choice, check_range
 from .decoding import Unreadable
+from .device_transforms import DeviceNormalize
 from .sources import FORMATS, SyntheticImages, build_splits, check_paths
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ class ClassificationDataModule(pl.LightningDataModule):
         self.seed = int(seed)
         self.model_defaults: dict = {}
         self.train_set = self.val_set = None
+        self._device_transform: DeviceNormalize | None = None
 
     # ---- configuration -------------------------------------------------------------------------
     @staticmethod
@@ -123,6 +127,7 @@ class ClassificationDataModule(pl.LightningDataModule):
     def use_model_defaults(self, model_data_config: dict) -> None:
         """Mean/std/interpolation/crop_pct from the model (timm ``resolve_model_data_config``)."""
         self.model_defaults = dict(model_data_config)
+        self._device_transform = None  # made again from the new mean/std
 
     def eval_settings(self) -> dict:
         """The resolved evaluation preprocessing (what eval.py reports)."""
@@ -139,15 +144,20 @@ class ClassificationDataModule(pl.LightningDataModule):
     def transforms(self):
         ev, aug = self.eval_settings(), self.cfg["augment"]
         size = (3, ev["img_size"], ev["img_size"])
+        # uint8 out of the workers: normalisation and random erasing are the device's (``device_transform``)
         train = create_transform(
             size, is_training=True, scale=tuple(aug["scale"]), ratio=tuple(aug["ratio"]), hflip=aug["hflip"],
             vflip=aug["vflip"], color_jitter=aug["color_jitter"] or 0.0, auto_augment=aug["auto_augment"],
-            interpolation=aug["interpolation"], mean=ev["mean"], std=ev["std"], re_prob=aug["re_prob"],
-            re_mode=aug["re_mode"], re_count=aug["re_count"],
+            interpolation=aug["interpolation"], mean=ev["mean"], normalize=False,
         )
         val = create_transform(size, is_training=False, interpolation=ev["interpolation"], mean=ev["mean"],
-                               std=ev["std"], crop_pct=ev["crop_pct"])
+                               crop_pct=ev["crop_pct"], normalize=False)
         return train, val
+
+    def device_transform(self) -> DeviceNormalize:
+        """Normalisation (the resolved mean/std) and the training split's random erasing, for device batches."""
+        ev, aug = self.eval_settings(), self.cfg["augment"]
+        return DeviceNormalize(ev["mean"], ev["std"], aug["re_prob"], aug["re_mode"], aug["re_count"])
 
     def check_source(self) -> None:
         """Fails on a missing ``data.root`` or split path before the run builds its model and trainer."""
@@ -176,6 +186,16 @@ class ClassificationDataModule(pl.LightningDataModule):
         if trainer is None:
             return 1, 0, 0
         return trainer.world_size, trainer.global_rank, trainer.current_epoch
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        """The uint8 images of a batch on its device, normalised (random erasing as well while training)."""
+        images, targets, skipped = batch
+        if images is not None:
+            if self._device_transform is None:
+                self._device_transform = self.device_transform()
+            trainer = getattr(self, "trainer", None)
+            images = self._device_transform(images, training=trainer is not None and trainer.training)
+        return images, targets, skipped
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")

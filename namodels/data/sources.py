@@ -239,7 +239,8 @@ def build_splits(cfg: dict) -> tuple[Dataset, Dataset]:
 
 
 class SyntheticImages(Dataset):
-    """Random normalized image tensors and labels: for throughput, not accuracy.
+    """Random uint8 image tensors and labels (normalised on the device like decoded images): for throughput, not
+    accuracy.
 
     A fixed pool of images (made once, seeded) is cycled, so the input pipeline costs only the
     batch copy and a throughput run measures the model, not the random number generator.
@@ -252,7 +253,7 @@ class SyntheticImages(Dataset):
         self.classes = [str(i) for i in range(num_classes)]
         self.transform = None  # part of the dataset interface; nothing to apply
         g = torch.Generator().manual_seed(seed)
-        self.images = torch.randn(min(n, self.POOL), 3, size, size, generator=g)
+        self.images = torch.randint(0, 256, (min(n, self.POOL), 3, size, size), generator=g, dtype=torch.uint8)
         self.targets = torch.randint(num_classes, (n,), generator=g)
 
     def __len__(self):
