@@ -285,7 +285,7 @@ class ClassificationModule(pl.LightningModule):
             finally:
                 self.train(was_training)
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if hasattr(datamodule, "eval_settings"):  # undo the normalisation the loader applied
+        if hasattr(datamodule, "eval_settings"):  # undo the normalisation the batch got after its transfer
             settings = datamodule.eval_settings()
             mean = torch.tensor(settings["mean"]).view(-1, 1, 1)
             std = torch.tensor(settings["std"]).view(-1, 1, 1)
