@@ -99,7 +99,7 @@ class _TinyRegression:
             def training_step(self, batch, batch_idx):
                 x, y = batch
                 loss = torch.nn.functional.mse_loss(self.layer(x), y)
-                self.log("train/loss_step", loss, prog_bar=True, on_step=True, on_epoch=False)
+                self.log("train/loss_step", loss, on_step=True, on_epoch=False)  # as the tasks log it
                 return loss
 
             def configure_optimizers(self):
@@ -112,7 +112,8 @@ class _TinyRegression:
 def test_throughput_and_progress_bar_read_the_device_every_n_batches(tmp_path, monkeypatch):
     """The throughput monitor synchronises and reads its clock every log_every_n_steps training batches (25 batches,
     every 5: 5 readings) yet counts every sample; the progress bar reads the logged metrics (a GPU wait for a loss
-    logged as a device tensor) on those batches and at the epoch's end only, and still shows the loss."""
+    logged as a device tensor) on those batches and at the epoch's end only, and still shows the step loss, which
+    is logged without prog_bar (Lightning would turn it into a number after every batch)."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
     from namodels.tasks.throughput_monitor import ThroughputMonitor
@@ -137,3 +138,5 @@ def test_throughput_and_progress_bar_read_the_device_every_n_batches(tmp_path, m
         ThroughputMonitor(batch_size_fn=len, every_n_batches=0)
     with pytest.raises(ValueError, match="metrics_every_n_batches"):
         ProgressBar(metrics_every_n_batches=0)
+    with pytest.raises(ValueError, match="step_metrics"):
+        ProgressBar(step_metrics="train/loss_step")

@@ -58,7 +58,7 @@ def _trainer(tmp_path, callbacks, **kwargs):
 
 
 def test_curves_collect_what_the_run_logs_and_write_a_png(tmp_path):
-    curves = TrainingCurves(str(tmp_path / "run"), title="tiny")
+    curves = TrainingCurves(str(tmp_path / "run"), title="tiny", every_n_steps=1)
     trainer = _trainer(tmp_path, [curves], limit_train_batches=6, limit_val_batches=2)
     trainer.fit(TinyRegression(), _loader(), _loader(8, seed=1))
     s = curves.series
@@ -89,11 +89,31 @@ def test_curves_refresh_at_each_validation_and_resume_from_state(tmp_path):
 
 
 def test_curves_thin_long_runs_to_bounded_points(tmp_path):
-    curves = TrainingCurves(str(tmp_path), max_points=5, every_validation=False)
+    curves = TrainingCurves(str(tmp_path), max_points=5, every_validation=False, every_n_steps=1)
     trainer = _trainer(tmp_path, [curves], max_epochs=1, limit_train_batches=10, limit_val_batches=0)
     trainer.fit(TinyRegression(), _loader())
     steps = [p[0] for p in curves.series["train/loss"]]
     assert curves.stride == 2 and steps == [2, 4, 6, 8, 10] and len(curves.series["lr"]) == 5
+
+
+def test_curves_record_on_logging_steps_with_epoch_means_over_every_step(tmp_path):
+    """Recorded points follow the trainer's log_every_n_steps (reading a GPU loss waits for the GPU); the epoch
+    mean is still that of every step's loss, summed where the loss lives."""
+    curves = TrainingCurves(str(tmp_path), every_validation=False)
+    module = TinyRegression()
+    losses = []
+    training_step = module.training_step
+    module.training_step = lambda batch, batch_idx: losses.append(float(out := training_step(batch, batch_idx))) or out
+    trainer = _trainer(tmp_path, [curves], max_epochs=1, limit_train_batches=10, limit_val_batches=0,
+                       log_every_n_steps=3)
+    trainer.fit(module, _loader())
+    assert [p[0] for p in curves.series["train/loss"]] == [3, 6, 9]
+    assert [p[0] for p in curves.series["lr"]] == [3, 6, 9]
+    assert [p[1] for p in curves.series["train/loss"]] == pytest.approx([losses[2], losses[5], losses[8]])
+    (epoch_mean,) = curves.series["train/loss (epoch mean)"]
+    assert epoch_mean == [10, pytest.approx(np.mean(losses))]
+    with pytest.raises(ValueError, match="every_n_steps"):
+        TrainingCurves(str(tmp_path), every_n_steps=0)
 
 
 def test_metric_panels_group_by_kind():

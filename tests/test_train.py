@@ -447,3 +447,26 @@ def test_misspelled_trainer_key_suggests_the_argument():
     proc = subprocess.run([sys.executable, "train.py", "trainer.max_epoch=3"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0 and "did you mean trainer.max_epochs" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_ddp_trainer_on_one_device_runs_without_the_ddp_wrapper(monkeypatch):
+    """trainer=ddp (the GPU recipes) starts DDP only where there is more than one process to run."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from namodels.utils.distributed import ddp_strategy, process_count
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert process_count(-1) == 1 and process_count("auto") == 1 and process_count(-1, num_nodes=2) == 2
+    assert process_count("0,1") == 2 and process_count([3]) == 1 and process_count("4") == 4
+    cfg = compose_cfg("train", ["experiment=nat_tiny_in1k"])
+    assert get_method(cfg.trainer.strategy._target_) is ddp_strategy
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.trainer.strategy, resolve=True).items() if k != "_target_"}
+    assert kwargs["devices"] == -1 and kwargs["num_nodes"] == 1
+    assert ddp_strategy(**kwargs) == "auto"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    strategy = ddp_strategy(**kwargs)
+    assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs == dict(
+        find_unused_parameters=False, gradient_as_bucket_view=True, static_graph=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun / SLURM started the processes
+    assert isinstance(ddp_strategy(**kwargs), DDPStrategy)

@@ -9,7 +9,7 @@
   rate is ``optimizer.lr * global_batch / optimizer.lr_base_batch`` (linear scaling rule);
 * schedule: timm cosine (or any ``create_scheduler_v2`` name) with warmup, updated every optimizer step;
 * EMA of the weights (timm ``ModelEmaV3``), validated beside the raw model (``val/*`` and ``val_ema/*``);
-* metrics: torchmetrics top-1 / top-5 (percent) and loss.
+* metrics: top-1 / top-5 (percent) and loss, as torchmetrics metrics that never wait for the GPU (``.metrics``).
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 from torch import nn
-from torchmetrics import MeanMetric, MetricCollection
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics import MetricCollection
 
 import ops
 
@@ -39,6 +38,7 @@ from ..speed import compile_mode, compile_options, optimizer_kwargs
 from ..utils.checks import check_choice, check_range
 from ..utils.distributed import SYNCED
 from .clipping import clip_gradients
+from .metrics import RunningMean, TopKAccuracy
 from .models import create_model, export_weights
 from .options import merged_options, plain
 
@@ -122,13 +122,13 @@ class ClassificationModule(pl.LightningModule):
             self.train_loss = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.eval_loss = nn.CrossEntropyLoss()
         # train/loss_epoch: the epoch's mean over every process (torchmetrics), synchronised once per epoch
-        self.train_loss_mean = MeanMetric()
+        self.train_loss_mean = RunningMean()
         top5 = min(5, int(num_classes))
         self.val_metrics = nn.ModuleDict({
             prefix: MetricCollection({
-                "top1": MulticlassAccuracy(int(num_classes), top_k=1, average="micro"),
-                "top5": MulticlassAccuracy(int(num_classes), top_k=top5, average="micro"),
-                "loss": MeanMetric(),
+                "top1": TopKAccuracy(1),
+                "top5": TopKAccuracy(top5),
+                "loss": RunningMean(),
             }) for prefix in (("val", "val_ema") if self.ema is not None else ("val",))
         })
         self._last_ema_step = None
@@ -194,7 +194,7 @@ class ClassificationModule(pl.LightningModule):
             images, targets = self._mix(images, targets)
         loss = self.train_loss(self(images), targets)
         self.train_loss_mean.update(loss.detach(), weight=images.shape[0])
-        self.log("train/loss_step", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=images.shape[0])
+        self.log("train/loss_step", loss, on_step=True, on_epoch=False, batch_size=images.shape[0])
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:

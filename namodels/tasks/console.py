@@ -5,13 +5,14 @@ totals, so the lines that matter (data, learning rate, metrics, the run folder) 
 * :class:`ModelSummary`: ``RichModelSummary`` without the FLOPs column and total when nothing was counted
   (Lightning counts FLOPs only for a module with an ``example_input_array``, and prints 0 otherwise);
 * :class:`ProgressBar`: ``RichProgressBar`` that shows "Epoch N" on step-bounded runs (``max_epochs=-1``), where
-  Lightning's "Epoch N/max_epochs - 1" reads "Epoch 0/-2", and reads the logged metrics only every few batches.
+  Lightning's "Epoch N/max_epochs - 1" reads "Epoch 0/-2", and shows the step loss read only every few batches.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
+import torch
 from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
 
 # Loggers behind Lightning's rank_zero_info, which prints the tips.
@@ -75,17 +76,33 @@ class ModelSummary(RichModelSummary):
 
 class ProgressBar(RichProgressBar):
     """``RichProgressBar`` (same arguments) whose description leaves out the epoch total when the run is bounded
-    by steps or time instead of epochs.
+    by steps or time instead of epochs, and which never makes a training step wait for the GPU.
 
-    The bar advances every batch but reads the logged metrics (the step loss) only every ``metrics_every_n_batches``
-    training batches (None: the trainer's ``log_every_n_steps``) and at the end of an epoch: reading a metric logged
-    as a GPU tensor waits for the GPU, and a wait per step keeps the host from queueing the next step meanwhile."""
+    Lightning's bar shows metrics logged with ``prog_bar=True``, which Lightning turns into numbers after every
+    batch: with a metric that lives on the GPU (the step loss) each step waits for the GPU there, and a wait per
+    step keeps the host from queueing the next step meanwhile.  The tasks therefore log the step loss without
+    ``prog_bar``; this bar shows ``step_metrics`` (logged values, by name) beside Lightning's, and reads them only
+    every ``metrics_every_n_batches`` training batches (None: the trainer's ``log_every_n_steps``, when the loggers
+    read them anyway) and at the end of an epoch."""
 
-    def __init__(self, *args: Any, metrics_every_n_batches: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, metrics_every_n_batches: int | None = None,
+                 step_metrics: Sequence[str] = ("train/loss_step",), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if metrics_every_n_batches is not None and int(metrics_every_n_batches) < 1:
             raise ValueError(f"metrics_every_n_batches: must be >= 1 or None, got {metrics_every_n_batches!r}")
+        if isinstance(step_metrics, str):
+            raise ValueError(f"step_metrics: expected a list of metric names, got the string {step_metrics!r}")
         self.metrics_every_n_batches = metrics_every_n_batches
+        self.step_metrics = tuple(step_metrics)
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        logged = trainer.callback_metrics
+        for name in self.step_metrics:
+            if name in logged and name not in items:
+                value = logged[name]
+                items[name] = value.item() if isinstance(value, torch.Tensor) else value
+        return items
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         every = int(self.metrics_every_n_batches or trainer.log_every_n_steps or 1)

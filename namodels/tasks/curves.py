@@ -1,9 +1,11 @@
 """Training curves as a PNG in the run folder (``<output>/curves.png``).
 
 :class:`TrainingCurves` is a Lightning callback that collects what the task already logs, independently
-of the loggers: the training metrics logged per step (``train/loss``; their epoch means are computed
-from the steps), the learning rate read from the optimizers, and every validation metric (``val/*``,
-``val_ema/*``) after each validation.  It redraws the figure after each validation and at the end of
+of the loggers: the training metrics logged per step (``train/loss``), recorded every ``log_every_n_steps``
+optimizer steps, with epoch means over every step; the learning rate read from the optimizers; and every
+validation metric (``val/*``, ``val_ema/*``) after each validation.  Per-step values stay on their device
+between records (summed there for the epoch means): reading a GPU value makes the host wait for the GPU,
+and a wait per step keeps it from queueing the next step meanwhile.  It redraws the figure after each validation and at the end of
 training.  The collected series are part of the callback's checkpoint state, so a resumed run plots
 from its first step.  Memory stays bounded: past ``max_points`` recorded steps the per-step series keep
 every other point and record half as often from then on.
@@ -45,19 +47,24 @@ class TrainingCurves(Callback):
         title: shown above the panels (e.g. the run name).
         max_points: recorded steps kept per series before thinning (bounds memory and checkpoint size).
         every_validation: also redraw after each validation (else only at the end of training).
+        every_n_steps: optimizer steps between two recorded points of the per-step series (None: the trainer's
+            ``log_every_n_steps``); thinning doubles it.
     """
 
     def __init__(self, dirpath: str, filename: str = "curves.png", title: str = "", max_points: int = 2000,
-                 every_validation: bool = True):
+                 every_validation: bool = True, every_n_steps: int | None = None):
         super().__init__()
         if max_points < 2:
             raise ValueError(f"max_points: at least 2, got {max_points}")
+        if every_n_steps is not None and int(every_n_steps) < 1:
+            raise ValueError(f"every_n_steps: must be >= 1 or None, got {every_n_steps!r}")
+        self.every_n_steps = every_n_steps
         self.dirpath, self.filename, self.title = dirpath, filename, str(title or "")
         self.max_points, self.every_validation = int(max_points), bool(every_validation)
         self.series: dict[str, list[list[float]]] = {}  # name -> [[step, value], ...]
-        self.stride = 1          # record per-step series every `stride` optimizer steps
+        self.stride = 1          # record per-step series every `stride` x every_n_steps optimizer steps
         self.epochs_done = 0
-        self._epoch_sums: dict[str, list[float]] = {}  # name -> [sum, count] over this epoch's steps
+        self._epoch_sums: dict[str, list] = {}  # name -> [sum, count] of this epoch's finite values (on their device)
         self._last_step = -1
 
     @property
@@ -72,12 +79,16 @@ class TrainingCurves(Callback):
         else:
             points.append([step, value])
 
-    def _thin(self) -> None:
+    def _record_every(self, trainer: pl.Trainer) -> int:
+        return self.stride * int(self.every_n_steps or trainer.log_every_n_steps or 1)
+
+    def _thin(self, trainer: pl.Trainer) -> None:
         """Per-step series keep the points on the new stride (every other one)."""
         self.stride *= 2
+        every = self._record_every(trainer)
         for name, points in self.series.items():
             if _is_step_series(name):
-                self.series[name] = [p for p in points if int(p[0]) % self.stride == 0]
+                self.series[name] = [p for p in points if int(p[0]) % every == 0]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -87,29 +98,41 @@ class TrainingCurves(Callback):
         values = {}
         for key, value in trainer.callback_metrics.items():
             if key.startswith("train/") and not key.endswith("_epoch") and not key.endswith(EXCLUDED_SUFFIXES):
-                number = _scalar(value)
-                if number is not None:
-                    values[key.removesuffix("_step")] = number
+                if isinstance(value, torch.Tensor) and value.numel() != 1:
+                    continue
+                name = key.removesuffix("_step")
+                values[name] = value
+                self._accumulate(name, value)
+        if step % self._record_every(trainer):
+            return
         for i, optimizer in enumerate(trainer.optimizers):
             lrs = [group["lr"] for group in optimizer.param_groups if "lr" in group]
             if lrs:  # the largest group learning rate: the base rate under layer decay's per-group scales
                 values["lr" if len(trainer.optimizers) == 1 else f"lr/{i}"] = float(max(lrs))
         for name, value in values.items():
-            if name.startswith("train/"):
-                acc = self._epoch_sums.setdefault(name, [0.0, 0])
-                acc[0] += value
-                acc[1] += 1
-        if step % self.stride:
-            return
-        for name, value in values.items():
-            self._add(name, step, value)
+            number = _scalar(value)  # (the one host read of a logged GPU value, on recorded steps only)
+            if number is not None:
+                self._add(name, step, number)
         if max((len(p) for n, p in self.series.items() if _is_step_series(n)), default=0) > self.max_points:
-            self._thin()
+            self._thin(trainer)
+
+    def _accumulate(self, name: str, value) -> None:
+        """Adds a finite value to this epoch's sum and count without reading it on the host."""
+        acc = self._epoch_sums.setdefault(name, [0.0, 0])
+        if isinstance(value, torch.Tensor):
+            value = value.detach().reshape(()).double()
+            finite = torch.isfinite(value)
+            acc[0] = torch.where(finite, value, 0.0) + acc[0]
+            acc[1] = finite.long() + acc[1]
+        elif isinstance(value, (int, float)) and math.isfinite(value):
+            acc[0] += float(value)
+            acc[1] += 1
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module) -> None:
         self.epochs_done = trainer.current_epoch + 1
         for name, (total, count) in self._epoch_sums.items():
-            if count:
+            total, count = _scalar(total), int(count)
+            if count and total is not None:
                 self._add(f"{name} (epoch mean)", trainer.global_step, total / count)
         self._epoch_sums = {}
 

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
-from torchmetrics import MeanMetric, MeanSquaredError
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics import MeanSquaredError
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 import ops
@@ -34,6 +33,7 @@ from ..speed import optimizer_kwargs
 from ..utils.checks import check_choice, check_range
 from ..utils.distributed import SYNCED
 from .clipping import clip_gradients
+from .metrics import RunningMean, TopKAccuracy
 from .options import merged_options, plain
 from .models import create_model, export_weights
 
@@ -93,7 +93,7 @@ class VideoTask(pl.LightningModule):
             raise ValueError(f"model.name: {model_cfg.get('name')!r} is not a streaming video model (video_nat_*)")
         self.num_classes = num_classes
         # train/loss_epoch: the epoch's mean over every process (torchmetrics), synchronised once per epoch
-        self.train_loss_mean = MeanMetric()
+        self.train_loss_mean = RunningMean()
         if objective == "next_frame":
             self.val_metrics = torch.nn.ModuleDict({
                 "mse": MeanSquaredError(), "copy_mse": MeanSquaredError(),
@@ -106,7 +106,7 @@ class VideoTask(pl.LightningModule):
                     self.val_metrics[f"rollout_mse_step{k}"] = MeanSquaredError()
         else:
             self.val_metrics = torch.nn.ModuleDict({
-                "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"), "loss": MeanMetric(),
+                "top1": TopKAccuracy(1), "loss": RunningMean(),
             })
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class VideoTask(pl.LightningModule):
                 logits = self.model.classify(clips)
             loss = F.cross_entropy(logits.float(), labels)
         self.train_loss_mean.update(loss.detach(), weight=clips.shape[0])
-        self.log("train/loss_step", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=clips.shape[0])
+        self.log("train/loss_step", loss, on_step=True, on_epoch=False, batch_size=clips.shape[0])
         return loss
 
     def on_train_epoch_end(self) -> None:

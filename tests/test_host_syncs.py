@@ -1,0 +1,85 @@
+"""A training step of the classification recipe never waits for the device.
+
+A GPU step is only fast while the host queues the next step's kernels during the current one; one ``.item()``,
+``bool(tensor)`` or ``if tensor.any()`` per step stops the host there until the GPU has caught up, and a step close
+to bound by its host (NAT's many small kernels, or a CUDA graph replay) then costs host time plus GPU time.  Those
+reads all go through ``aten._local_scalar_dense``, which a dispatch mode sees on CPU as well, so this test counts them
+per training batch in a run with the recipe's pieces: mixup, clipping with the fused AdamW, step logging, the
+progress bar, the learning-rate monitor and the throughput monitor.
+"""
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import namodels.tasks.classification as classification
+from namodels.tasks.runner import fit
+from tests.test_train import compose_cfg
+
+SCALAR_READS = (torch.ops.aten._local_scalar_dense.default,)
+
+
+class CountScalarReads(TorchDispatchMode):
+    """Counts host reads of tensor values by the phase a callback sets (``None``: not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = None
+        self.counts: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SCALAR_READS and self.phase is not None:
+            self.counts[self.phase] = self.counts.get(self.phase, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+COUNTER = CountScalarReads()
+
+
+class BatchPhases(pl.Callback):
+    """Puts ``COUNTER``'s phase on ``("train", batch index)`` from a training batch's start to the next one's (what
+    Lightning does after the callbacks' batch-end hooks counts too) and on ``("val", batch index)`` over a
+    validation batch."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        COUNTER.phase = ("train", batch_idx)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        COUNTER.phase = None
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        COUNTER.phase = ("val", batch_idx)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        COUNTER.phase = None
+
+
+@pytest.fixture
+def fused_adamw(monkeypatch):
+    monkeypatch.setattr(classification, "optimizer_kwargs", lambda name, device: {"fused": True})
+
+
+def test_recipe_steps_read_no_tensor_values(tmp_path, fused_adamw):
+    steps, log_every, val_batches = 8, 4, 3
+    cfg = compose_cfg("train", [
+        "experiment=digits", "threads=1", "logger=csv", f"paths.root_dir={tmp_path}", "export=false",
+        "callbacks.model_checkpoint=null", "callbacks.last_checkpoint=null", "callbacks.model_summary=null",
+        "callbacks.samples=null", "data.batch_size=16", "data.val_batch_size=16", f"trainer.limit_train_batches={steps}",
+        f"trainer.limit_val_batches={val_batches}", "trainer.max_epochs=1", f"trainer.log_every_n_steps={log_every}",
+        "data.num_workers=1",  # worker processes: the loader's own reads of CPU tensors are not the step's
+        "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=1.0", "task.module.scheduler.warmup_epochs=0",
+        "task.module.mixup.mixup_alpha=0.8", "task.module.mixup.cutmix_alpha=1.0", "model.drop_path_rate=0.1",
+        # the oracle backend: the CPU's own (tiled GEMM) branches on values, which costs nothing on a CPU
+        "model.backend=naive",
+        "+callbacks.phases._target_=tests.test_host_syncs.BatchPhases"])
+    COUNTER.counts.clear()
+    with COUNTER:
+        summary = fit(cfg)
+    assert summary["global_step"] == steps
+    # Batches that end a logging window (and the epoch's last) may read the logged values; no other may.
+    logging_batches = {("train", i) for i in range(steps) if (i + 1) % log_every == 0} | {("train", steps - 1)}
+    reads = {phase: n for phase, n in COUNTER.counts.items() if phase not in logging_batches}
+    assert reads == {}, f"tensor values read on the host during batches ((stage, batch): reads): {reads}"
+    assert "val/top1" in summary["metrics"]
