@@ -4,8 +4,10 @@ A GPU step is only fast while the host queues the next step's kernels during the
 ``bool(tensor)`` or ``if tensor.any()`` per step stops the host there until the GPU has caught up, and a step close
 to bound by its host (NAT's many small kernels, or a CUDA graph replay) then costs host time plus GPU time.  Those
 reads all go through ``aten._local_scalar_dense``, which a dispatch mode sees on CPU as well, so this test counts them
-per training batch in a run with the recipe's pieces: mixup, clipping with the fused AdamW, step logging, the
-progress bar, the learning-rate monitor and the throughput monitor.
+per batch (training and validation) in a run with the recipe's pieces: mixup, clipping with the fused AdamW, step
+logging, the progress bar, the learning-rate monitor, the throughput monitor and the training curves.  On a CUDA
+machine (``pytest -m gpu tests/test_host_syncs.py``) the same run goes through CUDA's sync debug mode, which also
+catches copies to the host.
 """
 from __future__ import annotations
 
@@ -83,3 +85,48 @@ def test_recipe_steps_read_no_tensor_values(tmp_path, fused_adamw):
     reads = {phase: n for phase, n in COUNTER.counts.items() if phase not in logging_batches}
     assert reads == {}, f"tensor values read on the host during batches ((stage, batch): reads): {reads}"
     assert "val/top1" in summary["metrics"]
+
+
+class NoSyncOnQuietBatches(pl.Callback):
+    """CUDA's sync debug mode set to raise over the training batches that neither end a logging window nor precede
+    one (the learning-rate monitor reads at the start of a logging batch, before this callback's own hook runs),
+    and over every batch but the first."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        def logging(i):
+            return (i + 1) % trainer.log_every_n_steps == 0 or i + 1 >= trainer.num_training_batches
+
+        quiet = batch_idx > 0 and not logging(batch_idx) and not logging(batch_idx + 1)
+        torch.cuda.set_sync_debug_mode("error" if quiet else "default")
+        self.quiet_batches = getattr(self, "quiet_batches", 0) + bool(quiet)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        torch.cuda.set_sync_debug_mode("default")
+
+    def on_exception(self, trainer, pl_module, exception):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_recipe_steps_do_not_synchronise_the_gpu(tmp_path):
+    """The GPU recipe's combination (bf16-mixed, fused AdamW with clipping, mixup, the fused NA kernels, eager) with
+    CUDA's own detector of synchronising calls, which also sees what a CPU run cannot (copies to the host)."""
+    steps = 14
+    cfg = compose_cfg("train", [
+        "experiment=digits", "trainer=gpu", "logger=csv", f"paths.root_dir={tmp_path}", "export=false",
+        "callbacks.model_checkpoint=null", "callbacks.last_checkpoint=null", "callbacks.model_summary=null",
+        "callbacks.samples=null", "data.batch_size=16", f"trainer.limit_train_batches={steps}",
+        "trainer.limit_val_batches=0", "trainer.max_epochs=1", "trainer.log_every_n_steps=6",
+        "trainer.gradient_clip_val=1.0", "task.module.scheduler.warmup_epochs=0", "task.module.mixup.mixup_alpha=0.8",
+        "task.module.mixup.cutmix_alpha=1.0", "model.drop_path_rate=0.1", "model.backend=fused",
+        "+callbacks.no_sync._target_=tests.test_host_syncs.NoSyncOnQuietBatches"])
+    watcher = NoSyncOnQuietBatches()
+    try:
+        with pytest.MonkeyPatch.context() as patch:  # the run's callbacks get this instance
+            patch.setattr(f"{__name__}.NoSyncOnQuietBatches", lambda: watcher)
+            summary = fit(cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert summary["global_step"] == steps
+    assert watcher.quiet_batches == 7  # batches 1-3 and 6-9 (logging ends batches 5, 11 and the last)
