@@ -68,8 +68,9 @@ def test_recipe_steps_read_no_tensor_values(tmp_path, fused_adamw):
     cfg = compose_cfg("train", [
         "experiment=digits", "threads=1", "logger=csv", f"paths.root_dir={tmp_path}", "export=false",
         "callbacks.model_checkpoint=null", "callbacks.last_checkpoint=null", "callbacks.model_summary=null",
-        "callbacks.samples=null", "data.batch_size=16", "data.val_batch_size=16", f"trainer.limit_train_batches={steps}",
-        f"trainer.limit_val_batches={val_batches}", "trainer.max_epochs=1", f"trainer.log_every_n_steps={log_every}",
+        "callbacks.samples=null", "data.batch_size=16", "data.val_batch_size=16",
+        f"trainer.limit_train_batches={steps}", f"trainer.limit_val_batches={val_batches}", "trainer.max_epochs=1",
+        f"trainer.log_every_n_steps={log_every}",
         "data.num_workers=1",  # worker processes: the loader's own reads of CPU tensors are not the step's
         "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=1.0", "task.module.scheduler.warmup_epochs=0",
         "task.module.mixup.mixup_alpha=0.8", "task.module.mixup.cutmix_alpha=1.0", "model.drop_path_rate=0.1",
@@ -130,3 +131,26 @@ def test_recipe_steps_do_not_synchronise_the_gpu(tmp_path):
         torch.cuda.set_sync_debug_mode("default")
     assert summary["global_step"] == steps
     assert watcher.quiet_batches == 7  # batches 1-3 and 6-9 (logging ends batches 5, 11 and the last)
+
+
+def test_gan_steps_read_no_tensor_values(tmp_path, monkeypatch):
+    """The GAN task's steps (D, lazy R1, G, EMA, progress counted in kimg) read nothing on the host either, with the
+    fused Adam it takes on CUDA."""
+    import namodels.tasks.gan as gan
+
+    monkeypatch.setattr(gan, "optimizer_kwargs", lambda name, device: {"fused": True})
+    steps, log_every = 7, 3
+    cfg = compose_cfg("train", [
+        "experiment=stylenat_skimage", "threads=1", "logger=csv", f"paths.root_dir={tmp_path}", "export=false",
+        "callbacks.model_checkpoint=null", "data.batch_size=4", "data.num_workers=1",
+        f"trainer.limit_train_batches={steps}",
+        "trainer.max_epochs=1", f"trainer.log_every_n_steps={log_every}", "task.module.sample_every_n_steps=0",
+        "task.module.r1_interval=2", "task.module.d_clip=1.0", "model.backend=naive",
+        "+callbacks.phases._target_=tests.test_host_syncs.BatchPhases"])
+    COUNTER.counts.clear()
+    with COUNTER:
+        summary = fit(cfg)
+    assert summary["global_step"] >= 2 * steps
+    logging_batches = {("train", i) for i in range(steps) if (i + 1) % log_every == 0} | {("train", steps - 1)}
+    reads = {phase: n for phase, n in COUNTER.counts.items() if phase not in logging_batches}
+    assert reads == {}, f"tensor values read on the host during batches ((stage, batch): reads): {reads}"

@@ -5,10 +5,10 @@ of the loggers: the training metrics logged per step (``train/loss``), recorded 
 optimizer steps, with epoch means over every step; the learning rate read from the optimizers; and every
 validation metric (``val/*``, ``val_ema/*``) after each validation.  Per-step values stay on their device
 between records (summed there for the epoch means): reading a GPU value makes the host wait for the GPU,
-and a wait per step keeps it from queueing the next step meanwhile.  It redraws the figure after each validation and at the end of
-training.  The collected series are part of the callback's checkpoint state, so a resumed run plots
-from its first step.  Memory stays bounded: past ``max_points`` recorded steps the per-step series keep
-every other point and record half as often from then on.
+and a wait per step keeps it from queueing the next step meanwhile.  It redraws the figure after each
+validation and at the end of training.  The collected series are part of the callback's checkpoint state,
+so a resumed run plots from its first step.  Memory stays bounded: past ``max_points`` recorded steps the
+per-step series keep every other point and record half as often from then on.
 """
 from __future__ import annotations
 

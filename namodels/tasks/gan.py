@@ -41,6 +41,8 @@ from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
 from namodels.data.decoding import UnreadableFiles
+from namodels.speed import optimizer_kwargs
+from namodels.tasks.clipping import clip_gradients
 from namodels.utils.distributed import SYNCED
 from namodels.tasks.generators import (DISPLAY_TILE, build_discriminator, build_generator, grid_image, load_generator,
                                        write_image)
@@ -249,9 +251,12 @@ class GANTask(L.LightningModule):
         self.ema.module.requires_grad_(False)
         self.lr_g = lr_g if lr_g is not None else (lr_d / 4 if ttur else lr_d)
         self.lr_d = lr_d
-        # Progress counters live in buffers so they are checkpointed and restored with the weights.
+        # Progress counters live in buffers so they are checkpointed and restored with the weights; while training,
+        # the host keeps its own copy (read from the buffers once, at the start) and writes it back every step, since
+        # reading a GPU buffer on the host would wait for the GPU at every step.
         self.register_buffer("images_seen", torch.zeros((), dtype=torch.long))
         self.register_buffer("d_steps", torch.zeros((), dtype=torch.long))
+        self._host_counters: dict[str, int] | None = None
         self.unreadable = UnreadableFiles()
 
     def train(self, mode: bool = True):
@@ -263,9 +268,24 @@ class GANTask(L.LightningModule):
     def g_ema(self) -> nn.Module:
         return self.ema.module
 
+    def _counter(self, name: str) -> int:
+        if self._host_counters is not None:
+            return self._host_counters[name]
+        return int(getattr(self, name))
+
+    def _advance(self, name: str, by: int) -> None:
+        self._host_counters[name] += by
+        getattr(self, name).fill_(self._host_counters[name])  # a fill kernel: no host read, no copy
+
+    def on_train_start(self) -> None:
+        self._host_counters = {"images_seen": int(self.images_seen), "d_steps": int(self.d_steps)}
+
+    def on_train_end(self) -> None:
+        self._host_counters = None
+
     @property
     def kimg(self) -> float:
-        return float(self.images_seen) / 1000.0
+        return self._counter("images_seen") / 1000.0
 
     # --- distributed -----------------------------------------------------------------------
 
@@ -278,8 +298,9 @@ class GANTask(L.LightningModule):
     def configure_optimizers(self):
         betas = tuple(self.hparams.betas)
         lr_d, betas_d = lazy_regularization_hparams(self.lr_d, betas, self.hparams.r1_interval)
-        opt_g = torch.optim.Adam(self.generator.parameters(), lr=self.lr_g, betas=betas)
-        opt_d = torch.optim.Adam(self.discriminator.parameters(), lr=lr_d, betas=betas_d)
+        fastest = optimizer_kwargs("adam", self.device)  # fused on CUDA: one kernel, no host read of its step count
+        opt_g = torch.optim.Adam(self.generator.parameters(), lr=self.lr_g, betas=betas, **fastest)
+        opt_d = torch.optim.Adam(self.discriminator.parameters(), lr=lr_d, betas=betas_d, **fastest)
         for opt in (opt_g, opt_d):
             for group in opt.param_groups:
                 group["base_lr"] = group["lr"]
@@ -305,8 +326,7 @@ class GANTask(L.LightningModule):
         return self.generator(z, mix_z=mix_z)
 
     def _clip(self, opt, value):
-        if value:
-            self.clip_gradients(opt, gradient_clip_val=value, gradient_clip_algorithm="norm")
+        clip_gradients(self, getattr(opt, "optimizer", opt), value, "norm")  # (fused Adam under mixed precision too)
 
     @property
     def skipped_files(self) -> set[str]:
@@ -350,7 +370,7 @@ class GANTask(L.LightningModule):
         opt_d.step()
 
         # Lazy R1 on real images, every r1_interval D steps (including the first).
-        if hp.r1_interval and hp.r1_gamma > 0 and int(self.d_steps) % hp.r1_interval == 0:
+        if hp.r1_interval and hp.r1_gamma > 0 and self._counter("d_steps") % hp.r1_interval == 0:
             real_r = real.detach().requires_grad_(True)
             pred = self.discriminator(real_r)
             r1 = r1_penalty(pred, real_r)
@@ -360,7 +380,7 @@ class GANTask(L.LightningModule):
             opt_d.step()
             logs["loss/r1"] = r1.detach()
         self.untoggle_optimizer(opt_d)
-        self.d_steps += 1
+        self._advance("d_steps", 1)
 
         # Generator step.
         self.toggle_optimizer(opt_g)
@@ -375,13 +395,15 @@ class GANTask(L.LightningModule):
         global_batch = b * self.trainer.world_size
         self.ema.decay = ema_decay(global_batch, hp.ema_half_life_kimg)
         self.ema.update(self.generator)
-        self.images_seen += global_batch
+        self._advance("images_seen", global_batch)
         logs["kimg"] = torch.tensor(self.kimg)
         logs["lr/g"] = torch.tensor(opt_g.param_groups[0]["lr"])
         self.log_dict(logs, prog_bar=False, on_step=True, on_epoch=False, sync_dist=False)
-        self.log("g", logs["loss/g"], prog_bar=True, logger=False)
-        self.log("d", logs["loss/d"], prog_bar=True, logger=False)
-        if hp.sample_every_n_steps and int(self.d_steps) % hp.sample_every_n_steps == 0:
+        # shown by the progress bar every few batches (configs/callbacks/gan.yaml: step_metrics); prog_bar=True would
+        # make Lightning read them after every batch
+        self.log("g", logs["loss/g"], logger=False)
+        self.log("d", logs["loss/d"], logger=False)
+        if hp.sample_every_n_steps and self._counter("d_steps") % hp.sample_every_n_steps == 0:
             self.save_samples()
         if hp.max_kimg is not None and self.kimg >= hp.max_kimg:
             self.trainer.should_stop = True
@@ -407,7 +429,7 @@ class GANTask(L.LightningModule):
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
                 # the step of the losses logged with this batch: the batch's index
-                logger.experiment.add_image("samples/g_ema", grid, int(self.d_steps) - 1)
+                logger.experiment.add_image("samples/g_ema", grid, self._counter("d_steps") - 1)
         return path
 
     # --- checkpoints -----------------------------------------------------------------------
