@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import namodels.tasks.classification as classification
+import namodels.tasks.gan as gan
 import namodels.tasks.video as video
 from namodels.tasks.clipping import clip_gradients, unscales_in_step
 from namodels.tasks.runner import fit
@@ -19,8 +20,8 @@ from tests.test_train import DEV_OVERRIDES, FAST, compose_cfg
 
 @pytest.fixture
 def fused_adamw(monkeypatch):
-    """The tasks build the fused AdamW on CPU as they do on CUDA."""
-    for module in (classification, video):
+    """The tasks build their fused Adam / AdamW on CPU as they do on CUDA."""
+    for module in (classification, video, gan):
         monkeypatch.setattr(module, "optimizer_kwargs", lambda name, device: {"fused": True})
 
 

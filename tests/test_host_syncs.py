@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import namodels.tasks.classification as classification
 from namodels.tasks.runner import fit
+from tests.test_clipping import fused_adamw  # noqa: F401  (the fixture)
 from tests.test_train import compose_cfg
 
 SCALAR_READS = (torch.ops.aten._local_scalar_dense.default,)
@@ -56,11 +56,6 @@ class BatchPhases(pl.Callback):
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         COUNTER.phase = None
-
-
-@pytest.fixture
-def fused_adamw(monkeypatch):
-    monkeypatch.setattr(classification, "optimizer_kwargs", lambda name, device: {"fused": True})
 
 
 def test_recipe_steps_read_no_tensor_values(tmp_path, fused_adamw):
@@ -133,12 +128,9 @@ def test_recipe_steps_do_not_synchronise_the_gpu(tmp_path):
     assert watcher.quiet_batches == 7  # batches 1-3 and 6-9 (logging ends batches 5, 11 and the last)
 
 
-def test_gan_steps_read_no_tensor_values(tmp_path, monkeypatch):
+def test_gan_steps_read_no_tensor_values(tmp_path, fused_adamw):
     """The GAN task's steps (D, lazy R1, G, EMA, progress counted in kimg) read nothing on the host either, with the
     fused Adam it takes on CUDA."""
-    import namodels.tasks.gan as gan
-
-    monkeypatch.setattr(gan, "optimizer_kwargs", lambda name, device: {"fused": True})
     steps, log_every = 7, 3
     cfg = compose_cfg("train", [
         "experiment=stylenat_skimage", "threads=1", "logger=csv", f"paths.root_dir={tmp_path}", "export=false",
