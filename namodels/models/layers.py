@@ -17,6 +17,8 @@ import ops
 from ops.functional import neighborhood_attention_qkvpacked
 from ops.unfused import na_av, na_qk
 
+from . import eager_block
+
 DILATION_MODES = ("clamp", "pad")
 
 
@@ -124,6 +126,10 @@ class NATBlock(nn.Module):
             self.gamma2 = nn.Parameter(layer_scale * torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # eager: the whole block as one autograd function where it applies
+            block_plan = eager_block.plan(self, x)
+            if block_plan is not None:
+                return eager_block.run(self, x, block_plan)
         y = self.attn(self.norm1(x))
         x = x + self.drop_path(self.gamma1 * y if self.layer_scale else y)
         y = self.mlp(self.norm2(x))
