@@ -27,6 +27,8 @@ from torch.autograd.function import once_differentiable
 try:
     import triton
     import triton.language as tl
+
+    from .fused.launch import PlannedLaunch
 except ImportError:  # torch builds without Triton: every call takes the torch path
     triton = None
 
@@ -167,22 +169,47 @@ def _launch_device(device: torch.device):
     return contextlib.nullcontext()
 
 
+# Launch plans per problem (shapes, dtypes, flags, device): eager models call the same few LayerNorms every step, and
+# a planned launch of the compiled kernel skips Triton's per-call argument binding, most of a launch's host time.
+_FORWARD_LAUNCHES: dict[tuple, object] = {}
+_BACKWARD_LAUNCHES: dict[tuple, object] = {}
+MAX_PLANS = 1024
+
+
+def _planned(plans: dict, key: tuple, make):
+    launch = plans.get(key)
+    if launch is None:
+        launch = make()
+        if len(plans) < MAX_PLANS:
+            plans[key] = launch
+    return launch
+
+
 def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                        out_dtype: torch.dtype, *, block_rows: int | None = None):
     """Normalise the rows of contiguous ``x [rows, C]``; returns ``(y [rows, C] in out_dtype, stats)``,
-    ``stats`` float32 ``[2, rows]``: each row's mean, then its 1/std.  ``block_rows`` overrides the
+    ``stats`` float32 ``[2, rows]``: each row's mean, then 1/std.  ``block_rows`` overrides the
     rows per program (tests)."""
     n_rows, n_cols = x.shape
-    block_rows, block_c, num_warps = _block_shape(n_cols, FORWARD_TILE, block_rows)
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)
     if n_rows:
+        key = (n_rows, n_cols, eps, x.dtype, out_dtype, _dtype(weight), _dtype(bias), x.device, block_rows)
+
+        def make():
+            rows, block_c, num_warps = _block_shape(n_cols, FORWARD_TILE, block_rows)
+            return PlannedLaunch(_layer_norm_forward_kernel, (triton.cdiv(n_rows, rows), 1), (n_rows,), dict(
+                N_COLS=n_cols, EPS=eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_ROWS=rows,
+                BLOCK_C=block_c, num_warps=num_warps))
+
         with _launch_device(x.device):
-            _layer_norm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
-                x, y, x if weight is None else weight, x if bias is None else bias, stats, n_rows,
-                N_COLS=n_cols, EPS=eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-                BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=num_warps)
+            _planned(_FORWARD_LAUNCHES, key, make)((x, y, x if weight is None else weight, x if bias is None else bias,
+                                                    stats))
     return y, stats
+
+
+def _dtype(t):
+    return None if t is None else t.dtype
 
 
 def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, stats: torch.Tensor, *,
@@ -204,13 +231,17 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
     partial = (torch.empty((slots, programs, n_cols), dtype=torch.float32, device=x.device) if programs
                else torch.zeros((slots, 1, n_cols), dtype=torch.float32, device=x.device))
     if programs and (compute_dx or slots):
+        key = (n_rows, n_cols, x.dtype, dy.dtype, _dtype(weight), x.device, compute_dx, compute_dweight,
+               compute_dbias, block_rows, programs, blocks_per_program)
+
+        def make():
+            return PlannedLaunch(_layer_norm_backward_kernel, (programs, 1), (n_rows, blocks_per_program), dict(
+                N_COLS=n_cols, HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DWEIGHT=compute_dweight,
+                COMPUTE_DBIAS=compute_dbias, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=num_warps))
+
         with _launch_device(x.device):
-            _layer_norm_backward_kernel[(programs,)](
-                x, dy, x if dx is None else dx, x if weight is None else weight, stats, partial,
-                n_rows, blocks_per_program, N_COLS=n_cols,
-                HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx,
-                COMPUTE_DWEIGHT=compute_dweight, COMPUTE_DBIAS=compute_dbias,
-                BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=num_warps)
+            _planned(_BACKWARD_LAUNCHES, key, make)((x, dy, x if dx is None else dx, x if weight is None else weight,
+                                                     stats, partial))
     sums = partial.sum(1) if slots else None
     dweight = sums[0] if compute_dweight else None
     dbias = sums[slots - 1] if compute_dbias else None

@@ -7,6 +7,7 @@ import copy
 import pytest
 import timm
 import torch
+import torch.nn.utils.parametrize
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -274,3 +275,17 @@ def test_gpu_model_training_step_matches_the_modules(block_calls, name):
     assert _rel(logits, logits_ref) < 1e-2
     for n in grads_ref:
         assert _rel(grads[n], grads_ref[n]) < 3e-2, n
+
+
+def test_a_layer_parametrised_after_the_first_call_turns_the_path_off():
+    """Parametrisation swaps a module's class in place: the kept structure check must see it."""
+    block = _block()
+    x = torch.randn(B, H, W, C)
+    assert eager_block.plan(block, x) is not None
+
+    class Doubled(torch.nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    torch.nn.utils.parametrize.register_parametrization(block.attn.qkv, "weight", Doubled())
+    assert eager_block.plan(block, x) is None

@@ -61,21 +61,22 @@ class BlockPlan:
     grad: bool
 
 
-def _no_hooks(modules) -> bool:
-    for m in modules:
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            return False
-    return not (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
-                or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks)
+def _submodules(block) -> tuple | None:
+    """``(norm1, attn, qkv, proj, attn_drop, proj_drop, drop_path, norm2, mlp, fc1, act, drop1, norm, fc2, drop2)``:
+    every module the path stands in for, read from the module dicts (``nn.Module.__getattr__`` is a slow per-call
+    lookup), or None where the block is built otherwise."""
+    top = block._modules
+    try:
+        attn, mlp = top["attn"]._modules, top["mlp"]._modules
+        return (top["norm1"], top["attn"], attn["qkv"], attn["proj"], attn["attn_drop"], attn["proj_drop"],
+                top["drop_path"], top["norm2"], top["mlp"], mlp["fc1"], mlp["act"], mlp["drop1"], mlp["norm"],
+                mlp["fc2"], mlp["drop2"])
+    except (KeyError, AttributeError):
+        return None
 
 
-def _inactive(dropout: nn.Module) -> bool:
-    return isinstance(dropout, nn.Identity) or (type(dropout) in (nn.Dropout, DropPath) and (
-        not dropout.training or getattr(dropout, "p", getattr(dropout, "drop_prob", 0.0)) == 0))
-
-
-def _is_linear(m, bias_needed: bool = True) -> bool:
-    return type(m) is nn.Linear and (m.bias is not None or not bias_needed)
+def _is_linear(m) -> bool:
+    return type(m) is nn.Linear and m.bias is not None
 
 
 def _is_layer_norm(m, dim: int) -> bool:
@@ -83,56 +84,83 @@ def _is_layer_norm(m, dim: int) -> bool:
             and tuple(m.normalized_shape) == (dim,))
 
 
-def _structure_fits(block) -> bool:
-    """The block is the plain pre-norm NAT block this path computes (no layer scale, no active dropout, exact
-    module types, no hooks, no parametrisations)."""
-    attn, mlp = block.attn, block.mlp
-    if block.layer_scale or attn.is_causal != (False, False) or not isinstance(mlp, Mlp):
-        return False
-    if not (_is_layer_norm(block.norm1, attn.dim) and _is_layer_norm(block.norm2, attn.dim)):
-        return False
-    if not (_is_linear(attn.qkv) and _is_linear(attn.proj) and _is_linear(mlp.fc1) and _is_linear(mlp.fc2)):
-        return False
-    if type(mlp.act) is not nn.GELU or mlp.act.approximate != "none" or not isinstance(mlp.norm, nn.Identity):
-        return False
-    if not all(_inactive(d) for d in (attn.attn_drop, attn.proj_drop, mlp.drop1, mlp.drop2)):
-        return False
-    if not (isinstance(block.drop_path, nn.Identity) or type(block.drop_path) is DropPath):
-        return False
-    modules = (block.norm1, attn, attn.qkv, attn.proj, attn.attn_drop, attn.proj_drop, block.drop_path, block.norm2,
-               mlp, mlp.fc1, mlp.act, mlp.drop1, mlp.norm, mlp.fc2, mlp.drop2)
-    return _no_hooks(modules) and not any(getattr(m, "parametrizations", None) for m in modules)
+def _built_as_computed(modules) -> bool:
+    """The modules are those of the plain pre-norm NAT block this path computes: exact types (so no parametrised or
+    swapped layer), affine LayerNorms, biased Linears, exact GELU, dropouts and stochastic depth of torch / timm."""
+    norm1, attn, qkv, proj, attn_drop, proj_drop, drop_path, norm2, mlp, fc1, act, drop1, norm, fc2, drop2 = modules
+    return (type(attn) is layers.NeighborhoodAttention2D and attn.is_causal == (False, False) and type(mlp) is Mlp
+            and _is_layer_norm(norm1, attn.dim) and _is_layer_norm(norm2, attn.dim)
+            and all(_is_linear(m) for m in (qkv, proj, fc1, fc2))
+            and type(act) is nn.GELU and act.approximate == "none" and type(norm) is nn.Identity
+            and all(type(m) is nn.Dropout for m in (attn_drop, proj_drop, drop1, drop2))
+            and type(drop_path) in (nn.Identity, DropPath))
 
 
-def _parameters(block) -> tuple:
-    attn, mlp = block.attn, block.mlp
-    return (block.norm1.weight, block.norm1.bias, attn.qkv.weight, attn.qkv.bias, attn.rpb, attn.proj.weight,
-            attn.proj.bias, block.norm2.weight, block.norm2.bias, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight,
-            mlp.fc2.bias)
+def _cached_structure(block) -> tuple | None:
+    """The block's submodules where they are built as this path computes them, else None; the type checks are kept
+    per set of submodules and their classes (a parametrisation changes a module's class in place)."""
+    modules = _submodules(block)
+    if modules is None:
+        return None
+    key = (modules, tuple(map(type, modules)))
+    cached = block.__dict__.get("_eager_structure")
+    if cached is None or cached[0] != key:
+        cached = (key, modules if _built_as_computed(modules) else None)
+        block.__dict__["_eager_structure"] = cached
+    return cached[1]
+
+
+def _quiet(modules) -> bool:
+    """No hooks on the modules or globally, no dropout that would drop (stochastic depth is computed here)."""
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return False
+    if (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
+            or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks):
+        return False
+    for index in (4, 5, 11, 14):  # attn_drop, proj_drop, drop1, drop2
+        dropout = modules[index]
+        if dropout.training and dropout.p > 0:
+            return False
+    return True
+
+
+def _parameters(modules) -> tuple:
+    norm1, attn, qkv, proj, _, _, _, norm2, _, fc1, _, _, _, fc2, _ = modules
+    return (norm1._parameters["weight"], norm1._parameters["bias"], qkv._parameters["weight"],
+            qkv._parameters["bias"], attn._parameters["rpb"], proj._parameters["weight"], proj._parameters["bias"],
+            norm2._parameters["weight"], norm2._parameters["bias"], fc1._parameters["weight"],
+            fc1._parameters["bias"], fc2._parameters["weight"], fc2._parameters["bias"])
 
 
 def plan(block, x: torch.Tensor) -> BlockPlan | None:
     """How ``block`` runs ``x`` on this path, or None where it must run its modules."""
-    if not ENABLED or torch._C._are_functorch_transforms_active():
+    if not ENABLED or block.__dict__.get("layer_scale", True) or torch._C._are_functorch_transforms_active():
         return None
-    if x.dim() != 4 or not x.is_contiguous() or not _structure_fits(block):
+    if x.dim() != 4 or not x.is_contiguous():
         return None
+    modules = _cached_structure(block)
+    if modules is None or not _quiet(modules):
+        return None
+    weights = _parameters(modules)
     device = x.device.type
     autocast = torch.is_autocast_enabled(device)
-    grad = torch.is_grad_enabled() and (x.requires_grad or any(
-        p is not None and p.requires_grad for p in _parameters(block)))
+    grad = torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in weights))
     key = (x.shape, x.dtype, x.device, autocast, torch.get_autocast_dtype(device) if autocast else None, grad,
-           block.attn.backend, current_backend(), block.norm1.weight.dtype)
+           modules[1].backend, current_backend(), weights[0].dtype)
     cache = block.__dict__.setdefault("_eager_plans", {})
-    if key not in cache:
-        cache[key] = _decide(block, x, autocast, grad) if len(cache) < 64 else None
-    return cache[key]
+    block_plan = cache.get(key, False)
+    if block_plan is False:
+        block_plan = _decide(modules, weights, x, autocast, grad)
+        if len(cache) < 64:
+            cache[key] = block_plan
+    return block_plan
 
 
-def _decide(block, x, autocast: bool, grad: bool) -> BlockPlan | None:
-    attn = block.attn
-    param_dtype = block.norm1.weight.dtype
-    if any(p is not None and p.dtype != param_dtype for p in _parameters(block)):
+def _decide(modules, weights, x, autocast: bool, grad: bool) -> BlockPlan | None:
+    attn = modules[1]
+    param_dtype = weights[0].dtype
+    if any(p is not None and p.dtype != param_dtype for p in weights):
         return None
     if autocast:
         dtype = torch.get_autocast_dtype(x.device.type)
@@ -161,14 +189,15 @@ def _decide(block, x, autocast: bool, grad: bool) -> BlockPlan | None:
 
 def run(block, x: torch.Tensor, block_plan: BlockPlan) -> torch.Tensor:
     """The block's output for ``x`` along ``block_plan`` (from :func:`plan`)."""
-    masks = None
-    if block.training and type(block.drop_path) is DropPath and block.drop_path.drop_prob > 0:
-        keep = 1.0 - block.drop_path.drop_prob
+    modules = block.__dict__["_eager_structure"][1]  # (kept by plan)
+    drop_path, masks = modules[6], None
+    if drop_path.training and type(drop_path) is DropPath and drop_path.drop_prob > 0:
+        keep = 1.0 - drop_path.drop_prob
         masks = torch.empty((2, x.shape[0]), dtype=torch.float32, device=x.device).bernoulli_(keep)
-        if block.drop_path.scale_by_keep:
+        if drop_path.scale_by_keep:
             masks.div_(keep)
-    weights = _parameters(block)
-    eps = (block.norm1.eps, block.norm2.eps)
+    weights = _parameters(modules)
+    eps = (modules[0].eps, modules[7].eps)
     device = x.device.type
     if block_plan.autocast:  # the body casts explicitly; autocast would also widen addcmul's bf16 input
         torch.set_autocast_enabled(device, False)

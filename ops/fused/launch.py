@@ -251,6 +251,9 @@ class _Launch:
             _remember_compiled(self, compiled, tensors)
 
 
+PlannedLaunch = _Launch  # (the name other Triton launchers use: ops.layer_norm)
+
+
 def _alignment(tensors) -> tuple:
     """Which tensor arguments are 16-byte aligned (what Triton specialised the compiled kernel on); host-built
     TMA descriptors among the arguments are not pointers and are encoded per launch."""
