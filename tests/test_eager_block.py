@@ -289,3 +289,19 @@ def test_a_layer_parametrised_after_the_first_call_turns_the_path_off():
 
     torch.nn.utils.parametrize.register_parametrization(block.attn.qkv, "weight", Doubled())
     assert eager_block.plan(block, x) is None
+
+
+def test_inference_follows_weights_changed_in_place(block_calls):
+    """The weight casts kept between inference calls are remade once a weight changes (optimizer step, EMA
+    update, loading a state dict)."""
+    block = _block().eval()
+    x = torch.randn(B, H, W, C)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        first = block(x)
+        block.mlp.fc2.weight.mul_(2)
+        block.attn.qkv.bias.add_(0.5)
+        second = block(x)
+        ref = _reference(block)(x)
+    assert len(block_calls) == 2
+    assert _rel(second, first) > 1e-2
+    assert _rel(second, ref) < 2e-2

@@ -23,6 +23,7 @@ another NA backend.  ``ENABLED = False`` turns the path off.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
@@ -204,7 +205,7 @@ def run(block, x: torch.Tensor, block_plan: BlockPlan) -> torch.Tensor:
     try:
         if block_plan.grad:
             return _BlockFunction.apply(x, masks, block_plan, eps, *weights)
-        return _forward(x, masks, block_plan, eps, weights, save=False)[0]
+        return _forward(x, masks, block_plan, eps, weights, save=False, block=block)[0]
     finally:
         if block_plan.autocast:
             torch.set_autocast_enabled(device, True)
@@ -227,13 +228,34 @@ def _cast(tensors, dtype):
     return out
 
 
-def _forward(x, masks, block_plan: BlockPlan, eps, weights, save: bool):
+# Casts kept between inference calls, per block: the weights stay the same from call to call there.  An entry holds
+# while each weight is the same tensor memory, unmodified in place (its version counter), and goes with the block.
+_KEPT_CASTS = WeakKeyDictionary()
+
+
+def _kept_cast(block, tensors, dtype):
+    """``_cast`` for inference, kept for the next call while the weights are unchanged (not while a CUDA graph is
+    captured: the graph must cast them itself, or it would keep reading these after the weights changed)."""
+    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return _cast(tensors, dtype)
+    state = (dtype, tuple([(t.data_ptr(), t._version) for t in tensors]))
+    kept = _KEPT_CASTS.get(block)
+    if kept is None or kept[0] != state:
+        kept = (state, _cast(tensors, dtype))
+        _KEPT_CASTS[block] = kept
+    return kept[1]
+
+
+def _forward(x, masks, block_plan: BlockPlan, eps, weights, save: bool, block=None):
+    """The block's output (and what its backward needs, where ``save``); ``block``: keep the weight casts for the
+    next call (inference)."""
     (n1_w, n1_b, qkv_w, qkv_b, rpb, proj_w, proj_b, n2_w, n2_b, fc1_w, fc1_b, fc2_w, fc2_b) = weights
     dtype = block_plan.dtype
     B, H, W, C = x.shape
     heads = block_plan.heads
-    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b = _cast(
-        (qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b), dtype)
+    gemm_weights = (qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b)
+    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b = (
+        _cast(gemm_weights, dtype) if block is None else _kept_cast(block, gemm_weights, dtype))
     x2d = x.view(-1, C)
     # LayerNorm statistics in float32, the normalised rows written in the GEMMs' dtype by the same kernel
     n1, stats1 = layer_norm_forward(x2d, n1_w, n1_b, eps[0], dtype)
