@@ -5,8 +5,10 @@ NAT's small feature maps the host, not the GPU, bounds an eager training step.  
 about a dozen module calls, autocast's per-tensor casts, timm's drop-path arithmetic and a backward graph of one
 autograd node per op.  Here the block is one node:
 
-* forward: two LayerNorms, four GEMMs with the bias added in (``addmm``), GELU, the fused NA kernels, and each
-  residual with its stochastic-depth scale as one ``addcmul``;
+* forward: one multi-tensor cast of the block's GEMM weights (kept between inference calls while the weights are
+  unchanged), two LayerNorms on the project's Triton kernel (float32 statistics, the normalised rows written in the
+  GEMMs' dtype, launched through planned compiled kernels), four GEMMs with the bias added in (``addmm``), GELU, the
+  fused NA kernels, and each residual with its stochastic-depth scale as one ``addcmul``;
 * backward: the GEMMs write float32 weight gradients directly where torch has ``mm(..., out_dtype=)`` (CUDA), bias
   gradients are float32 sums, and the NA gradient is the fused backward writing the packed qkv gradient.
 
@@ -16,8 +18,8 @@ applied in float32.  The random draws of stochastic depth differ from timm's ``D
 both residuals), with the same distribution.
 
 :func:`plan` decides per call whether a block can take this path; every other case runs the modules: traced code
-(``torch.compile`` fuses the modules better), attention or MLP dropout while training, layer scale, feature maps
-that need padding, submodules with hooks or of other types (``fast_norm``'s LayerNorm, a parametrised Linear),
+(``torch.compile`` fuses the modules better), attention or MLP dropout while training, layer scale, strided or
+causal attention, feature maps that need padding, submodules with hooks or of other types (``fast_norm``'s LayerNorm, a parametrised Linear),
 another NA backend.  ``ENABLED = False`` turns the path off.
 """
 from __future__ import annotations
