@@ -169,8 +169,9 @@ def _launch_device(device: torch.device):
     return contextlib.nullcontext()
 
 
-# Launch plans per problem (shapes, dtypes, flags, device): eager models call the same few LayerNorms every step, and
-# a planned launch of the compiled kernel skips Triton's per-call argument binding, most of a launch's host time.
+# Launch plans per problem (shapes, dtypes, flags, device), decided once: eager models call the same few LayerNorms
+# every step, and a planned launch of the compiled kernel skips Triton's per-call argument binding, most of a
+# launch's host time.
 _FORWARD_LAUNCHES: dict[tuple, object] = {}
 _BACKWARD_LAUNCHES: dict[tuple, object] = {}
 MAX_PLANS = 1024
@@ -212,6 +213,21 @@ def _dtype(t):
     return None if t is None else t.dtype
 
 
+def _plan_backward(n_rows: int, n_cols: int, x, dy, weight, compute_dx: bool, compute_dweight: bool,
+                   compute_dbias: bool, block_rows: int | None, max_programs: int | None):
+    """``(launch or None, programs, slots)`` of a backward problem: every launch parameter, decided once."""
+    block_rows, block_c, num_warps = _block_shape(n_cols, BACKWARD_TILE, block_rows)
+    n_blocks = triton.cdiv(n_rows, block_rows)
+    programs, blocks_per_program = _backward_programs(n_blocks, x.device, max_programs) if n_blocks else (0, 1)
+    slots = int(compute_dweight) + int(compute_dbias)
+    launch = None
+    if programs and (compute_dx or slots):
+        launch = PlannedLaunch(_layer_norm_backward_kernel, (programs, 1), (n_rows, blocks_per_program), dict(
+            N_COLS=n_cols, HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DWEIGHT=compute_dweight,
+            COMPUTE_DBIAS=compute_dbias, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=num_warps))
+    return launch, programs, slots
+
+
 def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, stats: torch.Tensor, *,
                         compute_dx: bool = True, compute_dweight: bool = True, compute_dbias: bool = True,
                         block_rows: int | None = None, max_programs: int | None = None):
@@ -221,27 +237,17 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
     shape (tests)."""
     n_rows, n_cols = x.shape
     compute_dweight = compute_dweight and weight is not None
-    block_rows, block_c, num_warps = _block_shape(n_cols, BACKWARD_TILE, block_rows)
-    n_blocks = triton.cdiv(n_rows, block_rows)
-    programs, blocks_per_program = _backward_programs(n_blocks, x.device, max_programs) if n_blocks else (0, 1)
-
+    key = (n_rows, n_cols, x.dtype, dy.dtype, _dtype(weight), x.device, compute_dx, compute_dweight, compute_dbias,
+           block_rows, max_programs)
+    launch, programs, slots = _planned(_BACKWARD_LAUNCHES, key, lambda: _plan_backward(
+        n_rows, n_cols, x, dy, weight, compute_dx, compute_dweight, compute_dbias, block_rows, max_programs))
     dx = torch.empty_like(x) if compute_dx else None
-    slots = int(compute_dweight) + int(compute_dbias)
     # every program writes its row of each slot, so no zero-fill is needed (and none over zero rows)
     partial = (torch.empty((slots, programs, n_cols), dtype=torch.float32, device=x.device) if programs
                else torch.zeros((slots, 1, n_cols), dtype=torch.float32, device=x.device))
-    if programs and (compute_dx or slots):
-        key = (n_rows, n_cols, x.dtype, dy.dtype, _dtype(weight), x.device, compute_dx, compute_dweight,
-               compute_dbias, block_rows, programs, blocks_per_program)
-
-        def make():
-            return PlannedLaunch(_layer_norm_backward_kernel, (programs, 1), (n_rows, blocks_per_program), dict(
-                N_COLS=n_cols, HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DWEIGHT=compute_dweight,
-                COMPUTE_DBIAS=compute_dbias, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=num_warps))
-
+    if launch is not None:
         with _launch_device(x.device):
-            _planned(_BACKWARD_LAUNCHES, key, make)((x, dy, x if dx is None else dx, x if weight is None else weight,
-                                                     stats, partial))
+            launch((x, dy, x if dx is None else dx, x if weight is None else weight, stats, partial))
     sums = partial.sum(1) if slots else None
     dweight = sums[0] if compute_dweight else None
     dbias = sums[slots - 1] if compute_dbias else None
