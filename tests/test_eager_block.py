@@ -13,6 +13,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 import namodels  # noqa: F401  (registers the models)
 from namodels.models import eager_block, layers
+from ops.fused import launch as fused_launch
 from ops.layer_norm import LayerNorm as FastLayerNorm
 
 B, H, W, C = 2, 7, 8, 32
@@ -306,3 +307,24 @@ def test_inference_follows_weights_changed_in_place(block_calls):
     assert len(block_calls) == 2
     assert _rel(second, first) > 1e-2
     assert _rel(second, ref) < 2e-2
+
+
+def _host_descriptor_plans() -> set:
+    forward = {plan.host_desc_layouts is not None for plan in fused_launch._FORWARD.values()}
+    backward = {chunks[0][0].meta["HOST_DESC"] for plan in fused_launch._BACKWARD.values()
+                for chunks in (plan.dq_launches, plan.dkdv_launches)}
+    return forward | backward
+
+
+def test_training_launches_build_no_host_descriptors(monkeypatch):
+    """The block path trains without host-built TMA descriptors (host time an eager step cannot hide); the modules'
+    NA calls on the same problem use them (Triton's interpreter takes them like a Hopper GPU)."""
+    block = _block(dilation=1)
+    x = torch.randn(B, H, W, C)
+    monkeypatch.setattr(fused_launch, "_FORWARD", {})
+    monkeypatch.setattr(fused_launch, "_BACKWARD", {})
+    _step(block, x, autocast=True)
+    assert _host_descriptor_plans() == {False}
+    monkeypatch.setattr(eager_block, "ENABLED", False)
+    _step(block, x, autocast=True)
+    assert _host_descriptor_plans() == {False, True}

@@ -271,7 +271,9 @@ def _forward(x, masks, block_plan: BlockPlan, eps, weights, save: bool, block=No
     qkv = torch.addmm(qkv_b, n1, qkv_w.t()).view(B, H, W, 3, heads, C // heads)
     q, k, v = qkv.unbind(-3)
     if save:
-        out, lse = fused_launch.forward(q, k, v, rpb, block_plan.params, block_plan.scale)
+        # training: no host-built TMA descriptors, whose host time an eager training step cannot hide (their GPU
+        # saving is smaller there; docs/performance.md)
+        out, lse = fused_launch.forward(q, k, v, rpb, block_plan.params, block_plan.scale, host_descriptors=False)
     else:
         out, lse = fused_op.attention_qkvpacked(qkv, block_plan.params, rpb, block_plan.scale, need_lse=False)
     out2d = out.view(-1, C)
@@ -358,7 +360,8 @@ class _BlockFunction(torch.autograd.Function):
         d_out, d_proj_w, d_proj_b = _linear_grads(dy1, out.view(-1, C), proj_w, needs[5], needs[6])
         want_drpb = rpb is not None and needs[4]
         d_qkv, d_rpb = fused_op._packed_gradients(qkv, rpb, out, lse, d_out.view(out.shape), None, block_plan.params,
-                                                  block_plan.scale, fused_op._deterministic(), want_drpb)
+                                                  block_plan.scale, fused_op._deterministic(), want_drpb,
+                                                  host_descriptors=False)
         d_qkv = d_qkv.view(-1, 3 * C)
         dn1, d_qkv_w, d_qkv_b = _linear_grads(d_qkv, n1, qkv_w, needs[2], needs[3])
         dx, d_n1_w, d_n1_b = layer_norm_backward(dn1, x2d, n1_w, stats1, compute_dx=ctx.needs_input_grad[0],

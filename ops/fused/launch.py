@@ -365,21 +365,26 @@ class ForwardPlan:
         return self.launches[0][0]
 
 
-def _forward_key(q, k, v, rpb, params, scale, need_lse):
+def _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors):
     # k / v alignment decides whether their tiles can be bulk copies (tma_eligible)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], q.dtype, q.device,
             _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse, BIAS_TILES, autotune.state(),
-            autotune.dot_precision(q.dtype))
+            autotune.dot_precision(q.dtype), host_descriptors)
 
 
-def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True, reuse_bias_tiles: bool = False):
+def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True, reuse_bias_tiles: bool = False,
+            host_descriptors: bool = True):
     """Returns ``out [B, *spatial, Hq, Dv]`` (input dtype) and ``lse [B, *spatial, Hq]`` (float32), or None for
     lse where ``need_lse`` is False (the kernel then skips its store).  ``reuse_bias_tiles``: keep this rpb's bias
-    tiles for the next call with the same rpb, unmodified (``_reused_bias_tiles``; eager inference)."""
-    key = _forward_key(q, k, v, rpb, params, scale, need_lse)
+    tiles for the next call with the same rpb, unmodified (``_reused_bias_tiles``; eager inference).
+    ``host_descriptors``: False keeps the launches from building TMA descriptors on the host, where the host bounds
+    the step: they save GPU time but cost host time on every launch (``namodels.models.eager_block``'s training
+    path; docs/performance.md)."""
+    key = _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors)
     plan = _FORWARD.get(key)
     if plan is None:
-        plan = _remember(_FORWARD, key, plan_forward(q, k, v, rpb, params, scale, need_lse))
+        plan = _remember(_FORWARD, key, plan_forward(q, k, v, rpb, params, scale, need_lse,
+                                                                   host_descriptors))
     out = _empty(plan.out_shape, q.dtype, q.device)
     lse = _empty(plan.lse_shape, torch.float32, q.device) if plan.lse_shape is not None else None
     table = None if rpb is None else rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])
@@ -475,7 +480,8 @@ def _bias_tiles_spec(kernel, programs: int, heads: int, scale: float, window, bo
     return launch, heads * programs * boxes * tile, dtype
 
 
-def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -> ForwardPlan:
+def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
+                 host_descriptors: bool = True) -> ForwardPlan:
     """The forward's launches for these inputs' problem and layout: tiles (defaults, cache or tuner), TMA and
     host descriptors, masking mode, index width, batch chunks."""
     b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
@@ -486,7 +492,7 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool) -
     lse_strides = (n * hq, hq) if need_lse else (0, 0)
     has_rpb = rpb is not None
     tma_ok = tma_eligible(k4, v4)
-    host_desc = tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
+    host_desc = host_descriptors and tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
     precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
     idx64 = needs_int64(q4, k4, v4, out4)
     bias_tiles = BIAS_TILES and has_rpb and scale > 0
@@ -567,27 +573,30 @@ class BackwardPlan:
         return self.dkdv_launches[0][0]
 
 
-def _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, grads):
+def _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, grads,
+                  host_descriptors):
     d_lse_layout = None if d_lse is None else (d_lse.dtype, d_lse.stride())
     alignment = tuple(t.data_ptr() % 16 for t in (q, k, v, d_out))  # decides TMA eligibility
     grads_layout = None if grads is None else tuple(g.stride() for g in grads)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], out.stride(), d_out.stride(),
             d_out.dtype, lse.dtype, lse.stride(), d_lse_layout, q.dtype, q.device, _rpb_layout(rpb), scale,
             deterministic, want_drpb, alignment, grads_layout, BIAS_TILES, autotune.state(),
-            autotune.dot_precision(q.dtype))
+            autotune.dot_precision(q.dtype), host_descriptors)
 
 
 def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
-             want_drpb: bool = True, grads=None):
+             want_drpb: bool = True, grads=None, host_descriptors: bool = True):
     """Gradients ``(dq, dk, dv, drpb)`` of ``(out, lse)``; ``drpb`` is ``None`` without RPB or when
     ``want_drpb`` is False (the bias still enters the recomputed scores).  ``grads``: ``(dq, dk, dv)`` to write
     into (e.g. views of one packed ``[B, *spatial, 3, H, D]`` gradient, as ``unbind`` gives them), each shaped like
-    its input with flat-token views; else they are allocated."""
-    key = _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, grads)
+    its input with flat-token views; else they are allocated.  ``host_descriptors``: False keeps the launches from
+    building TMA descriptors on the host (see ``forward``)."""
+    key = _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb, grads,
+                        host_descriptors)
     plan = _BACKWARD.get(key)
     if plan is None:
         plan = _remember(_BACKWARD, key, plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale,
-                                                       deterministic, want_drpb, grads))
+                                                       deterministic, want_drpb, grads, host_descriptors))
     b, n, hq, hkv, d, dv = plan.shapes
     dev = q.device
     if grads is None:
@@ -627,7 +636,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
 
 
 def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
-                  want_drpb: bool, grads=None) -> BackwardPlan:
+                  want_drpb: bool, grads=None, host_descriptors: bool = True) -> BackwardPlan:
     """The backward's launches for these inputs' problem and layout (see ``plan_forward``), and its dRPB path."""
     b, n, hq, hkv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2]
     d, dv = q.shape[-1], v.shape[-1]
@@ -656,7 +665,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
     # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
     dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
-    kv_host = BACKWARD_HOST_DESCRIPTORS and host_descriptors_ok(params, k4, v4, b, hq)
+    kv_host = host_descriptors and BACKWARD_HOST_DESCRIPTORS and host_descriptors_ok(params, k4, v4, b, hq)
     dq_host = kv_host and dq_tma_ok
     dkdv_host = kv_host and dkdv_tma_ok and host_descriptors_ok(params, q4, do4, b, hq)
     precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key

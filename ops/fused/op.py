@@ -140,14 +140,16 @@ def _packed_backward_fake(qkv, rpb, out, lse, d_out, d_lse, kernel_size, stride,
     return qkv.new_empty(qkv.shape), drpb
 
 
-def _packed_gradients(qkv, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb):
-    """``(d_qkv, drpb or None)``: the backward kernels write dq, dk and dv straight into one contiguous buffer."""
+def _packed_gradients(qkv, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb,
+                      host_descriptors: bool = True):
+    """``(d_qkv, drpb or None)``: the backward kernels write dq, dk and dv straight into one contiguous buffer
+    (``host_descriptors``: see ``launch.forward``)."""
     d_qkv = launch._empty(qkv.shape, qkv.dtype, qkv.device)  # (the tests poison it like every kernel output)
     q, k, v = qkv.unbind(-3)
     if d_out is None:
         d_out = torch.zeros_like(out)
     _, _, _, drpb = launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb,
-                                    grads=d_qkv.unbind(-3))
+                                    grads=d_qkv.unbind(-3), host_descriptors=host_descriptors)
     return d_qkv, drpb
 
 
