@@ -34,6 +34,7 @@ import torch
 
 from . import functional
 from .spec import parse_problem_spec
+from .timing import cuda_profile
 from .window import NAParams, keys_per_query, neighbor_table
 
 
@@ -358,11 +359,10 @@ def kernel_breakdown(p: BenchProblem, fn, copy_gbps: float, elem: int, calls: in
     time its floor bytes take at the measured copy bandwidth.  Kernels not named in ``kernel_floor_bytes`` (torch's
     own: buffer zeroing, casts) are grouped as "other"."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with cuda_profile() as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()

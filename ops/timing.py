@@ -20,6 +20,7 @@ not read the previous call's inputs from L2.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -120,3 +121,15 @@ def _timed_loop(step, device: torch.device, settings: TimingSettings) -> list[fl
 def median_ms(times: list[float]) -> float:
     """Median of :func:`time_steps`' milliseconds, as a float."""
     return float(statistics.median(times))
+
+
+def cuda_profile():
+    """``torch.profiler.profile`` over CUDA activity that detaches CUPTI when it stops.
+
+    Unless ``TEARDOWN_CUPTI=1``, Kineto leaves CUPTI attached after a profile, and every later kernel launch pays for
+    its callbacks: a benchmark that profiles one row's GPU time slows the host side of every row timed after it, the
+    host-bound ones most (docs/performance.md).  A value already in the environment is kept."""
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CUDA])

@@ -1,4 +1,6 @@
 """``ops.timing``: the one step timer of the model benchmark, the generator's throughput and ``ops.gemm.bench``."""
+import os
+
 import pytest
 import torch
 
@@ -53,3 +55,16 @@ def test_gemm_bench_single_cuda_call_uses_the_step_timer(monkeypatch):
     _spy(monkeypatch, order)
     assert gemm_bench._time_cuda(lambda: None, single=True) == 1.5
     assert order == [(None, "cuda", 0, 1)]
+
+
+def test_cuda_profile_detaches_cupti_unless_told_otherwise(monkeypatch):
+    """A profile that left CUPTI attached would slow every kernel launch timed after it (the benchmark profiles each
+    row's GPU time between rows); a value the user set is kept."""
+    from ops.timing import cuda_profile
+
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    cuda_profile()
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    cuda_profile()
+    assert os.environ["TEARDOWN_CUPTI"] == "0"

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from timm.utils import check_batch_size_retry, decay_batch_step
 
-from ops.timing import TimingSettings, median_ms, synchronize, time_steps
+from ops.timing import TimingSettings, cuda_profile, median_ms, synchronize, time_steps
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +108,9 @@ def gpu_time_ms(step: Callable[[], object], device: torch.device, steps: int = 3
     if device.type != "cuda":
         return None
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with cuda_profile() as prof:
         for _ in range(steps):
             step()
         synchronize(device)
