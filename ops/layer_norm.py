@@ -78,14 +78,15 @@ if triton is not None:
         tl.store(stats_ptr + n_rows + rows, rstd, mask=row_ok)
 
     @triton.jit
-    def _layer_norm_backward_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, stats_ptr, partial_ptr,
+    def _layer_norm_backward_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, stats_ptr, partial_ptr, residual_ptr,
                                     n_rows, blocks_per_program, N_COLS: tl.constexpr,
                                     HAS_WEIGHT: tl.constexpr, COMPUTE_DX: tl.constexpr,
                                     COMPUTE_DWEIGHT: tl.constexpr, COMPUTE_DBIAS: tl.constexpr,
-                                    BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                                    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
         """Program ``p`` handles row blocks ``p * blocks_per_program ...`` (the last ones may be empty)
         and writes row ``p`` of the partial sums ``partial [slots, programs, C]``: the weight gradient
-        in slot 0 when computed, then the bias gradient."""
+        in slot 0 when computed, then the bias gradient.  ``HAS_RESIDUAL``: dx also gets ``residual`` (a pre-norm
+        block's skip-connection gradient) added; it may be dx itself (each element is read before it is written)."""
         program = tl.program_id(0)
         cols = tl.arange(0, BLOCK_C)
         col_ok = cols < N_COLS
@@ -116,6 +117,8 @@ if triton is not None:
                 mean_dx_hat = tl.sum(dx_hat, axis=1) / N_COLS
                 mean_dx_hat_x_hat = tl.sum(dx_hat * x_hat, axis=1) / N_COLS
                 dx = (dx_hat - mean_dx_hat[:, None] - x_hat * mean_dx_hat_x_hat[:, None]) * rstd[:, None]
+                if HAS_RESIDUAL:
+                    dx += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
                 tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DWEIGHT:
                 dweight_acc += dy * x_hat
@@ -214,7 +217,7 @@ def _dtype(t):
 
 
 def _plan_backward(n_rows: int, n_cols: int, x, dy, weight, compute_dx: bool, compute_dweight: bool,
-                   compute_dbias: bool, block_rows: int | None, max_programs: int | None):
+                   compute_dbias: bool, has_residual: bool, block_rows: int | None, max_programs: int | None):
     """``(launch or None, programs, slots)`` of a backward problem: every launch parameter, decided once."""
     block_rows, block_c, num_warps = _block_shape(n_cols, BACKWARD_TILE, block_rows)
     n_blocks = triton.cdiv(n_rows, block_rows)
@@ -224,30 +227,36 @@ def _plan_backward(n_rows: int, n_cols: int, x, dy, weight, compute_dx: bool, co
     if programs and (compute_dx or slots):
         launch = PlannedLaunch(_layer_norm_backward_kernel, (programs, 1), (n_rows, blocks_per_program), dict(
             N_COLS=n_cols, HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DWEIGHT=compute_dweight,
-            COMPUTE_DBIAS=compute_dbias, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=num_warps))
+            COMPUTE_DBIAS=compute_dbias, HAS_RESIDUAL=has_residual, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
+            num_warps=num_warps))
     return launch, programs, slots
 
 
 def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, stats: torch.Tensor, *,
                         compute_dx: bool = True, compute_dweight: bool = True, compute_dbias: bool = True,
+                        residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                         block_rows: int | None = None, max_programs: int | None = None):
     """Gradients of :func:`layer_norm_forward` for contiguous ``dy`` and ``x`` ``[rows, C]``: returns
     ``(dx in x.dtype, dweight, dbias)``, the last two float32 ``[C]``; None where not asked for (and
-    dweight also where there is no weight).  ``block_rows`` / ``max_programs`` override the launch
-    shape (tests)."""
+    dweight also where there is no weight).  ``residual``: a contiguous ``[rows, C]`` gradient added to dx in the same
+    kernel (a pre-norm block's skip connection); ``out``: the tensor dx is written to (contiguous, x's shape and
+    dtype; it may be ``residual``).  ``block_rows`` / ``max_programs`` override the launch shape (tests)."""
     n_rows, n_cols = x.shape
     compute_dweight = compute_dweight and weight is not None
+    has_residual = residual is not None and compute_dx
     key = (n_rows, n_cols, x.dtype, dy.dtype, _dtype(weight), x.device, compute_dx, compute_dweight, compute_dbias,
-           block_rows, max_programs)
+           _dtype(residual) if has_residual else None, block_rows, max_programs)
     launch, programs, slots = _planned(_BACKWARD_LAUNCHES, key, lambda: _plan_backward(
-        n_rows, n_cols, x, dy, weight, compute_dx, compute_dweight, compute_dbias, block_rows, max_programs))
-    dx = torch.empty_like(x) if compute_dx else None
+        n_rows, n_cols, x, dy, weight, compute_dx, compute_dweight, compute_dbias, has_residual, block_rows,
+        max_programs))
+    dx = (out if out is not None else torch.empty_like(x)) if compute_dx else None
     # every program writes its row of each slot, so no zero-fill is needed (and none over zero rows)
     partial = (torch.empty((slots, programs, n_cols), dtype=torch.float32, device=x.device) if programs
                else torch.zeros((slots, 1, n_cols), dtype=torch.float32, device=x.device))
     if launch is not None:
         with _launch_device(x.device):
-            launch((x, dy, x if dx is None else dx, x if weight is None else weight, stats, partial))
+            launch((x, dy, x if dx is None else dx, x if weight is None else weight, stats, partial,
+                    residual if has_residual else x))
     sums = partial.sum(1) if slots else None
     dweight = sums[0] if compute_dweight else None
     dbias = sums[slots - 1] if compute_dbias else None

@@ -93,6 +93,27 @@ def test_partial_blocks_and_backward_programs_walking_several_blocks(C):
 
 
 @needs_kernels
+@pytest.mark.parametrize("in_place", [False, True], ids=["new-output", "into-the-residual"])
+def test_backward_adds_a_residual_gradient(in_place):
+    """``residual``: dx comes back with the skip connection's gradient added (a bfloat16 dy, as a GEMM gives it),
+    also written over the residual itself (``out=residual``)."""
+    x, weight, bias, dy = _inputs((70, 64), torch.float32, affine=True, seed=4)
+    rows = x.detach()
+    _, stats = ln.layer_norm_forward(rows, weight.detach(), bias.detach(), 1e-5, torch.float32, block_rows=8)
+    dy = dy.to(torch.bfloat16)
+    residual = torch.randn(70, 64, generator=torch.Generator().manual_seed(5))
+    expected = residual.double() + _reference(x, weight, bias, dy.float())[1][0]
+    kept = residual.clone()
+    dx, dweight, _ = ln.layer_norm_backward(dy, rows, weight.detach(), stats, residual=residual,
+                                            out=residual if in_place else None, block_rows=8, max_programs=3)
+    assert _relative_error(dx, expected) < 1e-5
+    assert (dx.data_ptr() == residual.data_ptr()) == in_place
+    if not in_place:
+        assert torch.equal(residual, kept)
+    assert _relative_error(dweight, _reference(x, weight, bias, dy.float())[1][1]) < 1e-5
+
+
+@needs_kernels
 def test_gradients_only_where_asked():
     """x without grad, weight with grad, no bias: the kernel computes only dweight."""
     x, weight, _, dy = _inputs((3, 11, 64), torch.float32, affine=True, seed=2)

@@ -344,16 +344,16 @@ class _BlockFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[4:]  # per weight, in _parameters' order
         dtype, (B, H, W, C) = block_plan.dtype, ctx.shape
         mask1, mask2 = (None, None) if masks is None else (masks[0], masks[1])
-        d = d_x2.reshape(-1, C)
+        d = d_x2.reshape(-1, C).contiguous()
 
         # MLP branch: x2 = x1 + mask2 * fc2(gelu(fc1(norm2(x1))))
         dy2 = _branch_grad(d, mask2, dtype, B)
         dg, d_fc2_w, d_fc2_b = _linear_grads(dy2, g, fc2_w, needs[11], needs[12])
         dh = _gelu_backward(dg, h)
         dn2, d_fc1_w, d_fc1_b = _linear_grads(dh, n2, fc1_w, needs[9], needs[10])
+        # (the skip connection's gradient is added by the LayerNorm backward kernel)
         dx1, d_n2_w, d_n2_b = layer_norm_backward(dn2, x1, n2_w, stats2, compute_dweight=needs[7],
-                                                  compute_dbias=needs[8])
-        dx1 = dx1.add_(d)
+                                                  compute_dbias=needs[8], residual=d)
 
         # attention branch: x1 = x + mask1 * proj(na(qkv(norm1(x))))
         dy1 = _branch_grad(dx1, mask1, dtype, B)
@@ -365,7 +365,8 @@ class _BlockFunction(torch.autograd.Function):
         d_qkv = d_qkv.view(-1, 3 * C)
         dn1, d_qkv_w, d_qkv_b = _linear_grads(d_qkv, n1, qkv_w, needs[2], needs[3])
         dx, d_n1_w, d_n1_b = layer_norm_backward(dn1, x2d, n1_w, stats1, compute_dx=ctx.needs_input_grad[0],
-                                                 compute_dweight=needs[0], compute_dbias=needs[1])
-        dx = dx.add_(dx1).view(B, H, W, C) if dx is not None else None
+                                                 compute_dweight=needs[0], compute_dbias=needs[1], residual=dx1,
+                                                 out=dx1)
+        dx = dx.view(B, H, W, C) if dx is not None else None
         return (dx, None, None, None, d_n1_w, d_n1_b, d_qkv_w, d_qkv_b, d_rpb if want_drpb else None, d_proj_w,
                 d_proj_b, d_n2_w, d_n2_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b)
