@@ -146,3 +146,23 @@ def test_gan_steps_read_no_tensor_values(tmp_path, fused_adamw):
     logging_batches = {("train", i) for i in range(steps) if (i + 1) % log_every == 0} | {("train", steps - 1)}
     reads = {phase: n for phase, n in COUNTER.counts.items() if phase not in logging_batches}
     assert reads == {}, f"tensor values read on the host during batches ((stage, batch): reads): {reads}"
+
+
+def test_video_steps_read_no_tensor_values(tmp_path, fused_adamw):
+    """The video task's training steps (next-frame loss, clipping, the fused AdamW it takes on CUDA) read nothing on
+    the host outside logging batches either."""
+    steps, log_every = 7, 3
+    cfg = compose_cfg("train", [
+        "experiment=video_moving_digits", "logger=csv", f"paths.root_dir={tmp_path}", "export=false",
+        "callbacks.model_checkpoint=null", "callbacks.model_summary=null", "data.num_workers=1",
+        f"trainer.max_steps={steps}", "trainer.val_check_interval=1000", "trainer.limit_val_batches=0",
+        f"trainer.log_every_n_steps={log_every}", "model.backend=naive",
+        "+callbacks.phases._target_=tests.test_host_syncs.BatchPhases"])
+    COUNTER.counts.clear()
+    with COUNTER:
+        summary = fit(cfg)
+    assert summary["global_step"] == steps
+    logging_batches = {("train", i) for i in range(steps) if (i + 1) % log_every == 0} | {("train", steps - 1)}
+    reads = {phase: n for phase, n in COUNTER.counts.items() if phase not in logging_batches}
+    assert reads == {}, f"tensor values read on the host during batches ((stage, batch): reads): {reads}"
+    assert COUNTER.counts  # the logging batches' reads: the counter saw the run
