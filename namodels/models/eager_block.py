@@ -19,8 +19,8 @@ both residuals), with the same distribution.
 
 :func:`plan` decides per call whether a block can take this path; every other case runs the modules: traced code
 (``torch.compile`` fuses the modules better), attention or MLP dropout while training, layer scale, strided or
-causal attention, feature maps that need padding, submodules with hooks or of other types (``fast_norm``'s LayerNorm, a parametrised Linear),
-another NA backend.  ``ENABLED = False`` turns the path off.
+causal attention, feature maps that need padding, submodules with hooks or of other types (``fast_norm``'s
+LayerNorm, a parametrised Linear), another NA backend.  ``ENABLED = False`` turns the path off.
 """
 from __future__ import annotations
 
@@ -359,8 +359,8 @@ class _BlockFunction(torch.autograd.Function):
         dy1 = _branch_grad(dx1, mask1, dtype, B)
         d_out, d_proj_w, d_proj_b = _linear_grads(dy1, out.view(-1, C), proj_w, needs[5], needs[6])
         want_drpb = rpb is not None and needs[4]
-        d_qkv, d_rpb = fused_op._packed_gradients(qkv, rpb, out, lse, d_out.view(out.shape), None, block_plan.params,
-                                                  block_plan.scale, fused_op._deterministic(), want_drpb,
+        d_qkv, d_rpb = fused_op.packed_gradients(qkv, rpb, out, lse, d_out.view(out.shape), None, block_plan.params,
+                                                  block_plan.scale, fused_op.drpb_deterministic(), want_drpb,
                                                   host_descriptors=False)
         d_qkv = d_qkv.view(-1, 3 * C)
         dn1, d_qkv_w, d_qkv_b = _linear_grads(d_qkv, n1, qkv_w, needs[2], needs[3])

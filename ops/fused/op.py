@@ -68,7 +68,8 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient (one kernel and one read saved)
 
 
-def _deterministic() -> bool:
+def drpb_deterministic() -> bool:
+    """dRPB summed in a fixed order (``DRPB_DETERMINISTIC_DEFAULT`` or torch's deterministic mode)."""
     return DRPB_DETERMINISTIC_DEFAULT or torch.are_deterministic_algorithms_enabled()
 
 
@@ -80,7 +81,7 @@ def _gradients(saved, d_out, d_lse, needs_input_grad, compute):
     q, k, v, rpb, out, lse = saved
     if d_out is None:
         d_out = torch.zeros_like(out)
-    deterministic = _deterministic()
+    deterministic = drpb_deterministic()
     want_drpb = rpb is not None and needs_input_grad[3]
     dq, dk, dv, drpb = compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb)
     return dq, dk, dv, (drpb if want_drpb else None)
@@ -127,7 +128,7 @@ def fused_na_packed_backward(
     d_lse: Optional[torch.Tensor], kernel_size: list[int], stride: list[int], dilation: list[int],
     is_causal: list[bool], scale: float, deterministic: bool, want_drpb: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    d_qkv, drpb = _packed_gradients(qkv, rpb, out, lse, d_out, d_lse,
+    d_qkv, drpb = packed_gradients(qkv, rpb, out, lse, d_out, d_lse,
                                     _params(qkv.unbind(-3)[0], kernel_size, stride, dilation, is_causal), scale,
                                     deterministic, want_drpb)
     return d_qkv, qkv.new_empty((0,)) if drpb is None else drpb  # custom ops return tensors only
@@ -140,7 +141,7 @@ def _packed_backward_fake(qkv, rpb, out, lse, d_out, d_lse, kernel_size, stride,
     return qkv.new_empty(qkv.shape), drpb
 
 
-def _packed_gradients(qkv, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb,
+def packed_gradients(qkv, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb,
                       host_descriptors: bool = True):
     """``(d_qkv, drpb or None)``: the backward kernels write dq, dk and dv straight into one contiguous buffer
     (``host_descriptors``: see ``launch.forward``)."""
@@ -167,7 +168,7 @@ def _packed_backward(ctx, d_out, d_lse):
     if d_out is None:
         d_out = torch.zeros_like(out)
     d_qkv, drpb = fused_na_packed_backward(qkv, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation,
-                                           is_causal, scale, _deterministic(), want_drpb)
+                                           is_causal, scale, drpb_deterministic(), want_drpb)
     return d_qkv, (drpb if want_drpb else None), None, None, None, None, None
 
 
@@ -216,8 +217,8 @@ class _EagerFusedNAPacked(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         qkv, rpb, out, lse = ctx.saved_tensors
         want_drpb = rpb is not None and ctx.needs_input_grad[1]
-        d_qkv, drpb = _packed_gradients(qkv, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale, _deterministic(),
-                                        want_drpb)
+        d_qkv, drpb = packed_gradients(qkv, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale,
+                                       drpb_deterministic(), want_drpb)
         return d_qkv, (drpb if want_drpb else None), None, None
 
 
