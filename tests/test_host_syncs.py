@@ -58,6 +58,20 @@ class BatchPhases(pl.Callback):
         COUNTER.phase = None
 
 
+def _fit_counting_reads(cfg) -> dict:
+    """``fit(cfg)`` with ``COUNTER`` counting host reads per batch (the config adds ``BatchPhases``)."""
+    COUNTER.counts.clear()
+    with COUNTER:
+        return fit(cfg)
+
+
+def _assert_reads_only_on_logging_batches(steps: int, log_every: int) -> None:
+    """Batches that end a logging window (and the epoch's last) may read the logged values; no other may."""
+    logging_batches = {("train", i) for i in range(steps) if (i + 1) % log_every == 0} | {("train", steps - 1)}
+    reads = {phase: n for phase, n in COUNTER.counts.items() if phase not in logging_batches}
+    assert reads == {}, f"tensor values read on the host during batches ((stage, batch): reads): {reads}"
+
+
 def test_recipe_steps_read_no_tensor_values(tmp_path, fused_adamw):
     steps, log_every, val_batches = 8, 4, 3
     cfg = compose_cfg("train", [
@@ -72,14 +86,9 @@ def test_recipe_steps_read_no_tensor_values(tmp_path, fused_adamw):
         # the oracle backend: the CPU's own (tiled GEMM) branches on values, which costs nothing on a CPU
         "model.backend=naive",
         "+callbacks.phases._target_=tests.test_host_syncs.BatchPhases"])
-    COUNTER.counts.clear()
-    with COUNTER:
-        summary = fit(cfg)
+    summary = _fit_counting_reads(cfg)
     assert summary["global_step"] == steps
-    # Batches that end a logging window (and the epoch's last) may read the logged values; no other may.
-    logging_batches = {("train", i) for i in range(steps) if (i + 1) % log_every == 0} | {("train", steps - 1)}
-    reads = {phase: n for phase, n in COUNTER.counts.items() if phase not in logging_batches}
-    assert reads == {}, f"tensor values read on the host during batches ((stage, batch): reads): {reads}"
+    _assert_reads_only_on_logging_batches(steps, log_every)
     assert "val/top1" in summary["metrics"]
 
 
@@ -139,13 +148,9 @@ def test_gan_steps_read_no_tensor_values(tmp_path, fused_adamw):
         "trainer.max_epochs=1", f"trainer.log_every_n_steps={log_every}", "task.module.sample_every_n_steps=0",
         "task.module.r1_interval=2", "task.module.d_clip=1.0", "model.backend=naive",
         "+callbacks.phases._target_=tests.test_host_syncs.BatchPhases"])
-    COUNTER.counts.clear()
-    with COUNTER:
-        summary = fit(cfg)
+    summary = _fit_counting_reads(cfg)
     assert summary["global_step"] >= 2 * steps
-    logging_batches = {("train", i) for i in range(steps) if (i + 1) % log_every == 0} | {("train", steps - 1)}
-    reads = {phase: n for phase, n in COUNTER.counts.items() if phase not in logging_batches}
-    assert reads == {}, f"tensor values read on the host during batches ((stage, batch): reads): {reads}"
+    _assert_reads_only_on_logging_batches(steps, log_every)
 
 
 def test_video_steps_read_no_tensor_values(tmp_path, fused_adamw):
@@ -158,11 +163,7 @@ def test_video_steps_read_no_tensor_values(tmp_path, fused_adamw):
         f"trainer.max_steps={steps}", "trainer.val_check_interval=1000", "trainer.limit_val_batches=0",
         f"trainer.log_every_n_steps={log_every}", "model.backend=naive",
         "+callbacks.phases._target_=tests.test_host_syncs.BatchPhases"])
-    COUNTER.counts.clear()
-    with COUNTER:
-        summary = fit(cfg)
+    summary = _fit_counting_reads(cfg)
     assert summary["global_step"] == steps
-    logging_batches = {("train", i) for i in range(steps) if (i + 1) % log_every == 0} | {("train", steps - 1)}
-    reads = {phase: n for phase, n in COUNTER.counts.items() if phase not in logging_batches}
-    assert reads == {}, f"tensor values read on the host during batches ((stage, batch): reads): {reads}"
+    _assert_reads_only_on_logging_batches(steps, log_every)
     assert COUNTER.counts  # the logging batches' reads: the counter saw the run
