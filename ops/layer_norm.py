@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .fused.launch import PlannedLaunch
+    from .fused.launch import PlannedLaunch, remember_plan
 except ImportError:  # torch builds without Triton: every call takes the torch path
     triton = None
 
@@ -177,16 +177,6 @@ def _launch_device(device: torch.device):
 # launch's host time.
 _FORWARD_LAUNCHES: dict[tuple, object] = {}
 _BACKWARD_LAUNCHES: dict[tuple, object] = {}
-MAX_PLANS = 1024
-
-
-def _planned(plans: dict, key: tuple, make):
-    launch = plans.get(key)
-    if launch is None:
-        launch = make()
-        if len(plans) < MAX_PLANS:
-            plans[key] = launch
-    return launch
 
 
 def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
@@ -199,16 +189,15 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch
     stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)
     if n_rows:
         key = (n_rows, n_cols, eps, x.dtype, out_dtype, _dtype(weight), _dtype(bias), x.device, block_rows)
-
-        def make():
+        launch = _FORWARD_LAUNCHES.get(key)
+        if launch is None:
             rows, block_c, num_warps = _block_shape(n_cols, FORWARD_TILE, block_rows)
-            return PlannedLaunch(_layer_norm_forward_kernel, (triton.cdiv(n_rows, rows), 1), (n_rows,), dict(
-                N_COLS=n_cols, EPS=eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_ROWS=rows,
-                BLOCK_C=block_c, num_warps=num_warps))
-
+            launch = remember_plan(_FORWARD_LAUNCHES, key, PlannedLaunch(
+                _layer_norm_forward_kernel, (triton.cdiv(n_rows, rows), 1), (n_rows,), dict(
+                    N_COLS=n_cols, EPS=eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_ROWS=rows,
+                    BLOCK_C=block_c, num_warps=num_warps)))
         with _launch_device(x.device):
-            _planned(_FORWARD_LAUNCHES, key, make)((x, y, x if weight is None else weight, x if bias is None else bias,
-                                                    stats))
+            launch((x, y, x if weight is None else weight, x if bias is None else bias, stats))
     return y, stats
 
 
@@ -246,9 +235,12 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
     has_residual = residual is not None and compute_dx
     key = (n_rows, n_cols, x.dtype, dy.dtype, _dtype(weight), x.device, compute_dx, compute_dweight, compute_dbias,
            _dtype(residual) if has_residual else None, block_rows, max_programs)
-    launch, programs, slots = _planned(_BACKWARD_LAUNCHES, key, lambda: _plan_backward(
-        n_rows, n_cols, x, dy, weight, compute_dx, compute_dweight, compute_dbias, has_residual, block_rows,
-        max_programs))
+    plan = _BACKWARD_LAUNCHES.get(key)
+    if plan is None:
+        plan = remember_plan(_BACKWARD_LAUNCHES, key, _plan_backward(
+            n_rows, n_cols, x, dy, weight, compute_dx, compute_dweight, compute_dbias, has_residual, block_rows,
+            max_programs))
+    launch, programs, slots = plan
     dx = (out if out is not None else torch.empty_like(x)) if compute_dx else None
     # every program writes its row of each slot, so no zero-fill is needed (and none over zero rows)
     partial = (torch.empty((slots, programs, n_cols), dtype=torch.float32, device=x.device) if programs

@@ -334,7 +334,8 @@ _BACKWARD: dict[tuple, "BackwardPlan"] = {}
 MAX_PLANS = 1024
 
 
-def _remember(plans: dict, key: tuple, plan):
+def remember_plan(plans: dict, key: tuple, plan):
+    """Keeps ``plan`` under ``key`` while ``plans`` holds fewer than ``MAX_PLANS`` (also ``ops.layer_norm``'s)."""
     if len(plans) < MAX_PLANS:
         plans[key] = plan
     return plan
@@ -383,7 +384,7 @@ def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True,
     key = _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors)
     plan = _FORWARD.get(key)
     if plan is None:
-        plan = _remember(_FORWARD, key, plan_forward(q, k, v, rpb, params, scale, need_lse,
+        plan = remember_plan(_FORWARD, key, plan_forward(q, k, v, rpb, params, scale, need_lse,
                                                                    host_descriptors))
     out = _empty(plan.out_shape, q.dtype, q.device)
     lse = _empty(plan.lse_shape, torch.float32, q.device) if plan.lse_shape is not None else None
@@ -595,7 +596,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
                         host_descriptors)
     plan = _BACKWARD.get(key)
     if plan is None:
-        plan = _remember(_BACKWARD, key, plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale,
+        plan = remember_plan(_BACKWARD, key, plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale,
                                                        deterministic, want_drpb, grads, host_descriptors))
     b, n, hq, hkv, d, dv = plan.shapes
     dev = q.device
