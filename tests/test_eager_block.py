@@ -227,17 +227,24 @@ def test_a_block_is_one_autograd_node():
     assert {id(fn.variable) for fn in inputs} == {id(x)} | {id(p) for p in block.parameters()}
 
 
-def test_model_training_step_with_gradient_checkpointing_matches_the_modules(block_calls):
-    """A whole model (stochastic depth off, so both runs see the same function) with checkpointed stages: the
-    recomputed forward takes the block path too."""
-    tiny = dict(embed_dim=16, depths=(1, 2, 1, 1), num_heads=(1, 2, 2, 4), kernel_size=3, drop_path_rate=0.0,
-                num_classes=5)  # stages of 8x8, 4x4 (block path), 2x2 and 1x1 (padded to the window: modules)
+TINY = dict(embed_dim=16, depths=(1, 2, 1, 1), num_heads=(1, 2, 2, 4), kernel_size=3, drop_path_rate=0.0,
+            num_classes=5)  # stages of 8x8, 4x4 (block path), 2x2 and 1x1 (padded to the window: modules)
+
+
+def _tiny_pair():
     torch.manual_seed(0)
-    model = timm.create_model("nat_mini", backend="fused", **tiny).train()
+    model = timm.create_model("nat_mini", backend="fused", **TINY).train()
     reference = copy.deepcopy(model)
     for m in reference.modules():
         if isinstance(m, layers.NeighborhoodAttention2D):
             m.backend = "naive"
+    return model, reference
+
+
+def test_model_training_step_with_gradient_checkpointing_matches_the_modules(block_calls):
+    """A whole model (stochastic depth off, so both runs see the same function) with checkpointed stages: the
+    recomputed forward takes the block path too."""
+    model, reference = _tiny_pair()
     model.set_grad_checkpointing(True)
     x = torch.randn(2, 3, 32, 32)
     results = []
@@ -293,9 +300,10 @@ def test_a_layer_parametrised_after_the_first_call_turns_the_path_off():
     assert eager_block.plan(block, x) is None
 
 
-def test_inference_follows_weights_changed_in_place(block_calls):
-    """The weight casts kept between inference calls are remade once a weight changes (optimizer step, EMA
-    update, loading a state dict)."""
+def test_inference_follows_weights_changed_in_place_and_through_data(block_calls):
+    """Nothing is kept from one inference call to the next: the casts and bias tiles follow a weight changed in place
+    (optimizer step, ``load_state_dict``) and one changed through ``.data`` (an EMA teacher updated that way), which
+    leaves the version counter alone."""
     block = _block().eval()
     x = torch.randn(B, H, W, C)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -303,10 +311,65 @@ def test_inference_follows_weights_changed_in_place(block_calls):
         block.mlp.fc2.weight.mul_(2)
         block.attn.qkv.bias.add_(0.5)
         second = block(x)
-        ref = _reference(block)(x)
-    assert len(block_calls) == 2
-    assert _rel(second, first) > 1e-2
-    assert _rel(second, ref) < 2e-2
+        ref_second = _reference(block)(x)
+        block.mlp.fc1.weight.data.mul_(-1)
+        block.attn.rpb.data.add_(1.0)
+        third = block(x)
+        ref_third = _reference(block)(x)
+    assert len(block_calls) == 3
+    assert _rel(second, first) > 1e-2 and _rel(third, second) > 1e-2
+    assert _rel(second, ref_second) < 2e-2
+    assert _rel(third, ref_third) < 2e-2
+
+
+def _stage_step(stage, x):
+    """Output and gradients of a bf16 autocast step of a stage (a float32 input: under CPU autocast a whole model
+    would hand its blocks bfloat16 maps, which the path leaves to the modules)."""
+    x = x.detach().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = stage(x)
+    y.float().logsumexp(-1).sum().backward()
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    return y.detach().float(), x.grad, grads
+
+
+def test_stage_casts_are_one_buffer_refilled_in_place_between_steps(block_calls):
+    """A stage's blocks read their weight casts from one buffer, which the next step refills in place (same memory)
+    with the weights as they are then, ``.data`` writes included."""
+    model, reference = _tiny_pair()
+    stage, ref_stage = model.levels[1], reference.levels[1]
+    x = torch.randn(2, 4, 4, 32)
+    _assert_close(_stage_step(stage, x), _stage_step(ref_stage, x), 2e-2)
+    buffer = eager_block._STAGE_CASTS[stage.blocks]
+    assert len(buffer.sources) == 16  # both blocks' eight GEMM weights
+    first_ptr = buffer.views[0].data_ptr()
+    for s in (stage, ref_stage):
+        s.blocks[0].attn.qkv.weight.data.mul_(1.5)
+        with torch.no_grad():
+            s.blocks[1].mlp.fc2.weight.mul_(-1)
+    _assert_close(_stage_step(stage, x), _stage_step(ref_stage, x), 2e-2)
+    assert eager_block._STAGE_CASTS[stage.blocks] is buffer and buffer.views[0].data_ptr() == first_ptr
+    assert len(block_calls) == 4
+
+
+def test_two_forwards_before_one_backward_keep_their_own_casts(block_calls):
+    """A graph that can still run its backward holds the stage's buffer: the second forward (with changed weights)
+    casts into a new one, and each backward reads the casts of its own forward."""
+    model, reference = _tiny_pair()
+    x1, x2 = torch.randn(2, 4, 4, 32), torch.randn(2, 4, 4, 32)
+    results = []
+    for stage in (model.levels[1], reference.levels[1]):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            first = stage(x1)
+        stage.blocks[0].mlp.fc1.weight.data.mul_(-2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            second = stage(x2)
+        (first.float().logsumexp(-1).sum() + second.float().square().mean()).backward()
+        y = torch.cat([first, second]).detach().float()
+        results.append((y, y, {n: p.grad for n, p in stage.named_parameters()}))
+    _assert_close(*results, 2e-2)
+    assert len(block_calls) == 4
 
 
 def _host_descriptor_plans() -> set:

@@ -1003,6 +1003,32 @@ def test_gpu_tma_falls_back_on_misaligned_views():
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_planned_launches_pass_addresses_and_respect_alignment():
+    """A plan's compiled launch passes the tensors' addresses; a call whose query is not 16-byte aligned (the
+    kernel was compiled for an aligned one) takes Triton's own launch, and the next aligned call the plan's again.
+    Device-built descriptors (TMA without host descriptors) take their scratch from one buffer per stream."""
+    p = _fixed((20, 24), (7, 9), rpb=True, heads=2, heads_kv=2, dim=64, dim_v=64)
+    q, k, v, rpb = p.tensors(dtype=torch.bfloat16, device=DEVICE)
+    rpb = rpb.float()
+    params = NAParams((20, 24), (7, 9), (1, 1), (1, 1), (False, False))
+    cfg = Config(64, 64, 4, 3, True)
+    storage = torch.randn(q.numel() + 1, dtype=q.dtype, device=DEVICE)
+    q_odd = storage[1:].view(q.shape)  # 2-byte offset
+    q_odd.copy_(q)
+    ref = ops.neighborhood_attention(2, q.float(), k.float(), v.float(), **p.kwargs(), rpb=rpb, backend="naive")
+    launch._SCRATCH.clear()
+    with autotune.forced(fwd=cfg):
+        for query in (q, q, q_odd, q):
+            out, _ = launch.forward(query, k, v, rpb, params, 64 ** -0.5, host_descriptors=False)
+            assert _rel_err(out, ref) < TOL[torch.bfloat16]
+    (plan,) = launch._FORWARD.values()
+    assert plan.launch.compiled is not None and plan.launch.pointers_only and plan.launch.all_aligned
+    assert plan.launch.meta["TMA"] and not plan.launch.meta["HOST_DESC"]
+    assert len(launch._SCRATCH) == 1
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_autotune_small_problem(tmp_path, monkeypatch):
     """The tuner times candidates from CUDA-graph replays, writes a cache entry per kernel, and the
     tuned tiles give oracle-correct outputs and gradients (a small 2-D problem with RPB and GQA)."""

@@ -5,8 +5,7 @@ NAT's small feature maps the host, not the GPU, bounds an eager training step.  
 about a dozen module calls, autocast's per-tensor casts, timm's drop-path arithmetic and a backward graph of one
 autograd node per op.  Here the block is one node:
 
-* forward: one multi-tensor cast of the block's GEMM weights (kept between inference calls while the weights are
-  unchanged), two LayerNorms on the project's Triton kernel (float32 statistics, the normalised rows written in the
+* forward: the block's GEMM weights cast by one multi-tensor copy per stage (``stage_casts``), two LayerNorms on the project's Triton kernel (float32 statistics, the normalised rows written in the
   GEMMs' dtype, launched through planned compiled kernels), four GEMMs with the bias added in (``addmm``), GELU, the
   fused NA kernels, and each residual with its stochastic-depth scale as one ``addcmul``;
 * backward: the GEMMs write float32 weight gradients directly where torch has ``mm(..., out_dtype=)`` (CUDA), bias
@@ -24,6 +23,10 @@ LayerNorm, a parametrised Linear), another NA backend.  ``ENABLED = False`` turn
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import operator
+import weakref
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
@@ -206,7 +209,7 @@ def run(block, x: torch.Tensor, block_plan: BlockPlan) -> torch.Tensor:
         torch.set_autocast_enabled(device, False)
     try:
         if block_plan.grad:
-            return _BlockFunction.apply(x, masks, block_plan, eps, *weights)
+            return _BlockFunction.apply(x, masks, block_plan, eps, block, *weights)
         return _forward(x, masks, block_plan, eps, weights, save=False, block=block)[0]
     finally:
         if block_plan.autocast:
@@ -237,34 +240,117 @@ def _cast(tensors, dtype):
     return out
 
 
-# Casts kept between inference calls, per block: the weights stay the same from call to call there.  An entry holds
-# while each weight is the same tensor memory, unmodified in place (its version counter), and goes with the block.
-_KEPT_CASTS = WeakKeyDictionary()
+# The GEMM weights of a stage's blocks are cast together: the stage opens a scope (``stage_casts``) and the first block
+# that needs a cast in it casts every block's weights in one multi-tensor copy, into a buffer kept per stage with each
+# block's views into it, so that a block's cast costs a lookup instead of an allocation, eight views and a copy.  The
+# buffer is refilled in place on the next call when nothing can still read it: the previous call's lease (a tensor
+# every block saves for its backward) is gone, the call runs on the same stream, and no CUDA graph is being captured
+# (a graph keeps reading the memory it captured).  Otherwise a new buffer is made.  Every call copies the current
+# weights, so the casts follow any change to them, ``.data`` writes included.
+_STAGE_CASTS: WeakKeyDictionary = WeakKeyDictionary()  # blocks container -> _StageBuffer
+_SCOPE: contextvars.ContextVar = contextvars.ContextVar("namodels_stage_casts", default=None)
 
 
-def _kept_cast(block, tensors, dtype):
-    """``_cast`` for inference, kept for the next call while the weights are unchanged (not while a CUDA graph is
-    captured: the graph must cast them itself, or it would keep reading these after the weights changed)."""
-    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
-        return _cast(tensors, dtype)
-    state = (dtype, tuple([(t.data_ptr(), t._version) for t in tensors]))
-    kept = _KEPT_CASTS.get(block)
-    if kept is None or kept[0] != state:
-        kept = (state, _cast(tensors, dtype))
-        _KEPT_CASTS[block] = kept
-    return kept[1]
+@dataclass
+class _StageBuffer:
+    sources: list  # the weights cast, in order
+    shapes: list
+    dtype: torch.dtype
+    stream: int | None
+    views: list  # the casts, one per source
+    views_of: dict  # block -> its views
+    lease: object = None  # weakref to the last call's lease
 
 
-def _forward(x, masks, block_plan: BlockPlan, eps, weights, save: bool, block=None):
-    """The block's output (and what its backward needs, where ``save``); ``block``: keep the weight casts for the
-    next call (inference)."""
+class _Scope:
+    __slots__ = ("blocks", "members", "lease", "dtype")
+
+    def __init__(self, blocks):
+        self.blocks, self.members, self.lease, self.dtype = blocks, None, None, None
+
+
+@contextlib.contextmanager
+def stage_casts(blocks: nn.Module):
+    """Runs ``blocks`` (a container of NAT blocks called in this scope) with their weight casts shared."""
+    token = _SCOPE.set(_Scope(blocks))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def _gemm_weights(modules) -> tuple:
+    _, _, qkv, proj, _, _, _, _, _, fc1, _, _, _, fc2, _ = modules
+    return (qkv._parameters["weight"], qkv._parameters["bias"], proj._parameters["weight"],
+            proj._parameters["bias"], fc1._parameters["weight"], fc1._parameters["bias"],
+            fc2._parameters["weight"], fc2._parameters["bias"])
+
+
+def _stream_of(t: torch.Tensor):
+    return torch._C._cuda_getCurrentRawStream(t.get_device()) if t.is_cuda else None
+
+
+def _fill_stage(blocks, dtype, device) -> tuple[dict, object]:
+    """``(block -> (its weights, their versions, their casts), lease)``: every block of ``blocks`` on this path whose weights need a cast, cast
+    in one copy into the stage's buffer (refilled in place where nothing can still read it)."""
+    members, sources = {}, []
+    for block in blocks._modules.values():
+        modules = _cached_structure(block) if isinstance(block, layers.NATBlock) else None
+        if modules is None:
+            continue
+        weights = _gemm_weights(modules)
+        if weights[0].dtype == dtype or weights[0].device != device:
+            continue
+        members[block] = (weights, tuple([w._version for w in weights]))
+        sources.extend(weights)
+    if not sources:
+        return {}, None
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    shapes = [w.shape for w in sources]
+    stream = _stream_of(sources[0])
+    buffer = _STAGE_CASTS.get(blocks)
+    reusable = (buffer is not None and not capturing and buffer.dtype == dtype and buffer.stream == stream
+                and (buffer.lease is None or buffer.lease() is None) and len(buffer.sources) == len(sources)
+                and all(map(operator.is_, buffer.sources, sources)) and buffer.shapes == shapes)
+    if reusable:
+        torch._foreach_copy_(buffer.views, sources)
+    else:
+        views = _cast(sources, dtype)
+        spans, start = {}, 0
+        for block, (weights, _) in members.items():
+            spans[block] = views[start:start + len(weights)]
+            start += len(weights)
+        buffer = _StageBuffer(sources, shapes, dtype, stream, views, spans)
+        if not capturing:  # (memory a graph captured is not the eager calls' to reuse)
+            _STAGE_CASTS[blocks] = buffer
+    lease = torch.empty(0)
+    buffer.lease = weakref.ref(lease)
+    return {block: (weights, versions, buffer.views_of[block]) for block, (weights, versions) in members.items()}, lease
+
+
+def _weight_casts(block, weights, dtype) -> tuple[list, object]:
+    """``(the GEMM weights in dtype, the lease of the shared buffer they are views of, or None)``."""
+    scope = _SCOPE.get()
+    if scope is not None:
+        if scope.members is None or scope.dtype != dtype:
+            scope.members, scope.lease = _fill_stage(scope.blocks, dtype, weights[0].device)
+            scope.dtype = dtype
+        entry = scope.members.get(block)
+        # (a hook outside the block's modules may have swapped or changed a weight since the stage's copy)
+        if (entry is not None and all(map(operator.is_, entry[0], weights))
+                and entry[1] == tuple([w._version for w in weights])):
+            return entry[2], scope.lease
+    return _cast(weights, dtype), None
+
+
+def _forward(x, masks, block_plan: BlockPlan, eps, weights, save: bool, block):
+    """The block's output, and what its backward needs where ``save`` (else None)."""
     (n1_w, n1_b, qkv_w, qkv_b, rpb, proj_w, proj_b, n2_w, n2_b, fc1_w, fc1_b, fc2_w, fc2_b) = weights
     dtype = block_plan.dtype
     B, H, W, C = x.shape
     heads = block_plan.heads
     gemm_weights = (qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b)
-    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b = (
-        _cast(gemm_weights, dtype) if block is None else _kept_cast(block, gemm_weights, dtype))
+    (qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b), lease = _weight_casts(block, gemm_weights, dtype)
     x2d = x.view(-1, C)
     # LayerNorm statistics in float32, the normalised rows written in the GEMMs' dtype by the same kernel
     n1, stats1 = layer_norm_forward(x2d, n1_w, n1_b, eps[0], dtype)
@@ -282,7 +368,8 @@ def _forward(x, masks, block_plan: BlockPlan, eps, weights, save: bool, block=No
     h = torch.addmm(fc1_b, n2, fc1_w.t())
     g = F.gelu(h)
     x2 = _residual(x1, torch.addmm(fc2_b, g, fc2_w.t()), None if masks is None else masks[1], B).view(B, H, W, C)
-    saved = (x2d, stats1, n1, qkv_w, qkv, out, lse, proj_w, x1, stats2, n2, fc1_w, h, g, fc2_w) if save else None
+    # (the lease keeps the stage's cast buffer from being refilled while this backward can still read it)
+    saved = (x2d, stats1, n1, qkv_w, qkv, out, lse, proj_w, x1, stats2, n2, fc1_w, h, g, fc2_w, lease) if save else None
     return x2, saved
 
 
@@ -329,8 +416,8 @@ def _branch_grad(d, mask, dtype, batch: int):
 class _BlockFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, masks, block_plan: BlockPlan, eps, *weights):
-        x2, saved = _forward(x, masks, block_plan, eps, weights, save=True)
+    def forward(ctx, x, masks, block_plan: BlockPlan, eps, block, *weights):
+        x2, saved = _forward(x, masks, block_plan, eps, weights, save=True, block=block)
         n1_w, _, _, _, rpb, _, _, n2_w, _ = weights[:9]
         ctx.save_for_backward(*saved, masks, rpb, n1_w, n2_w)
         ctx.block_plan, ctx.shape = block_plan, x.shape
@@ -338,10 +425,10 @@ class _BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_x2):
-        (x2d, stats1, n1, qkv_w, qkv, out, lse, proj_w, x1, stats2, n2, fc1_w, h, g, fc2_w, masks, rpb, n1_w,
+        (x2d, stats1, n1, qkv_w, qkv, out, lse, proj_w, x1, stats2, n2, fc1_w, h, g, fc2_w, _, masks, rpb, n1_w,
          n2_w) = ctx.saved_tensors
         block_plan = ctx.block_plan
-        needs = ctx.needs_input_grad[4:]  # per weight, in _parameters' order
+        needs = ctx.needs_input_grad[5:]  # per weight, in _parameters' order
         dtype, (B, H, W, C) = block_plan.dtype, ctx.shape
         mask1, mask2 = (None, None) if masks is None else (masks[0], masks[1])
         d = d_x2.reshape(-1, C).contiguous()
@@ -368,5 +455,5 @@ class _BlockFunction(torch.autograd.Function):
                                                  compute_dweight=needs[0], compute_dbias=needs[1], residual=dx1,
                                                  out=dx1)
         dx = dx.view(B, H, W, C) if dx is not None else None
-        return (dx, None, None, None, d_n1_w, d_n1_b, d_qkv_w, d_qkv_b, d_rpb if want_drpb else None, d_proj_w,
+        return (dx, None, None, None, None, d_n1_w, d_n1_b, d_qkv_w, d_qkv_b, d_rpb if want_drpb else None, d_proj_w,
                 d_proj_b, d_n2_w, d_n2_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b)

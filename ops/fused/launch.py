@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import autotune, kernels, rpb_grad
 from .tiles import axes_of, max_boxes, partial_axes
@@ -182,8 +181,20 @@ def descriptor_args(stand_in: torch.Tensor, layouts, *pairs) -> tuple:
                  for desc in host_kv_descriptors(*pair, layout))
 
 
+# Scratch kept per stream: a launch's scratch is only read while the kernel runs, and the next launch on the same
+# stream starts after it, so one buffer per stream serves every launch there instead of an allocation per launch.
+_SCRATCH: dict[int, torch.Tensor] = {}
+
+
 def _torch_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Triton's scratch allocator: the stream's kept buffer, grown as needed; a fresh allocation while a CUDA graph
+    is captured (the graph replays with the memory it captured, on whichever stream)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    buffer = _SCRATCH.get(stream)
+    if buffer is None or buffer.numel() < size:
+        buffer = _SCRATCH[stream] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+    return buffer
 
 
 def ensure_scratch_allocator(meta: dict) -> None:
@@ -241,6 +252,8 @@ class _Launch:
     constexprs: tuple = ()
     aligned: tuple = ()
     device: int = -1
+    pointers_only: bool = False  # every argument is a tensor (no host-built descriptor)
+    all_aligned: bool = False
 
     def __call__(self, tensors) -> None:
         ensure_scratch_allocator(self.meta)
@@ -260,19 +273,39 @@ def _alignment(tensors) -> tuple:
     return tuple([t.data_ptr() % 16 == 0 for t in tensors if isinstance(t, torch.Tensor)])
 
 
+def _pointer_arguments(plan: _Launch, tensors):
+    """The tensors' addresses where every argument is a tensor and the call matches the alignment the kernel was
+    compiled for, else None.  Triton's launcher takes an address as it is, where a tensor costs it a ``data_ptr``
+    call and a driver query per argument (the plan already checked device and layout)."""
+    if not plan.pointers_only:
+        return None
+    pointers = [t.data_ptr() for t in tensors]
+    if plan.all_aligned:
+        combined = 0
+        for pointer in pointers:
+            combined |= pointer
+        return pointers if combined % 16 == 0 else None
+    return pointers if tuple([p % 16 == 0 for p in pointers]) == plan.aligned else None
+
+
 def _compiled_launch(plan: _Launch, tensors) -> bool:
     """Launches ``plan.compiled`` directly; False when the call must take Triton's normal launch."""
     compiled = plan.compiled
-    if compiled is None or _alignment(tensors) != plan.aligned:
+    if compiled is None:
         return False
+    # launch hooks (profilers) get what Triton's own launch would give them, the tensors included; an empty hook
+    # chain (what Triton installs by default) is passed as None, which skips building the launch metadata
+    enter, leave = _hook(triton.knobs.runtime.launch_enter_hook), _hook(triton.knobs.runtime.launch_exit_hook)
+    pointers = _pointer_arguments(plan, tensors) if enter is None else None
+    if pointers is None:
+        if _alignment(tensors) != plan.aligned:
+            return False
+        pointers = tensors
     device = _current_device()
     if device != plan.device:  # the compiled module is loaded on the device it was launched on
         return False
     stream = triton.runtime.driver.active.get_current_stream(device)
-    args = (*tensors, *plan.scalars, *plan.constexprs)
-    # launch hooks (profilers) get what Triton's own launch would give them; an empty hook chain
-    # (what Triton installs by default) is passed as None, which skips building the launch metadata
-    enter, leave = _hook(triton.knobs.runtime.launch_enter_hook), _hook(triton.knobs.runtime.launch_exit_hook)
+    args = (*pointers, *plan.scalars, *plan.constexprs)
     metadata = compiled.launch_metadata(plan.grid, stream, *args) if enter is not None else None
     compiled.run(plan.grid[0], plan.grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
                  enter, leave, *args)
@@ -301,6 +334,8 @@ def _remember_compiled(plan: _Launch, compiled, tensors) -> None:
         return  # interpreter, or a Triton whose compiled kernels look different: keep the normal launch
     plan.constexprs = tuple(plan.meta[name] for name in plan.kernel.arg_names if name in plan.meta)
     plan.aligned = _alignment(tensors)
+    plan.pointers_only = all(isinstance(t, torch.Tensor) for t in tensors)
+    plan.all_aligned = all(plan.aligned)
     plan.device = triton.runtime.driver.active.get_current_device()
     plan.compiled = compiled
 
@@ -373,29 +408,22 @@ def _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors):
             autotune.dot_precision(q.dtype), host_descriptors)
 
 
-def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True, reuse_bias_tiles: bool = False,
-            host_descriptors: bool = True):
+def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True, host_descriptors: bool = True):
     """Returns ``out [B, *spatial, Hq, Dv]`` (input dtype) and ``lse [B, *spatial, Hq]`` (float32), or None for
-    lse where ``need_lse`` is False (the kernel then skips its store).  ``reuse_bias_tiles``: keep this rpb's bias
-    tiles for the next call with the same rpb, unmodified (``_reused_bias_tiles``; eager inference).
-    ``host_descriptors``: False keeps the launches from building TMA descriptors on the host, where the host bounds
-    the step: they save GPU time but cost host time on every launch (``namodels.models.eager_block``'s training
-    path; docs/performance.md)."""
+    lse where ``need_lse`` is False (the kernel then skips its store).  ``host_descriptors``: False keeps the
+    launches from building TMA descriptors on the host, where the host bounds the step: they save GPU time but cost
+    host time on every launch (``namodels.models.eager_block``'s training path; docs/performance.md)."""
     key = _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors)
     plan = _FORWARD.get(key)
     if plan is None:
-        plan = remember_plan(_FORWARD, key, plan_forward(q, k, v, rpb, params, scale, need_lse,
-                                                                   host_descriptors))
+        plan = remember_plan(_FORWARD, key, plan_forward(q, k, v, rpb, params, scale, need_lse, host_descriptors))
     out = _empty(plan.out_shape, q.dtype, q.device)
     lse = _empty(plan.lse_shape, torch.float32, q.device) if plan.lse_shape is not None else None
     table = None if rpb is None else rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])
     if plan.as_tokens:
         q, k, v = _tokens(q, plan.tokens), _tokens(k, plan.tokens), _tokens(v, plan.tokens)
     bias = q if table is None else table  # (a stand-in without RPB: the kernel does not read it)
-    if reuse_bias_tiles and plan.bias_tiles is not None:
-        tiles = _reused_bias_tiles(plan.bias_tiles, rpb, table, q)
-    else:
-        tiles = _bias_tiles(plan.bias_tiles, table, q)
+    tiles = _bias_tiles(plan.bias_tiles, table, q)
     _run_chunks(plan.launches, (q, k, v, bias, out, out if lse is None else lse,
                                 *descriptor_args(q, plan.host_desc_layouts, (k, v)), tiles))
     return out, lse
@@ -412,27 +440,6 @@ def _bias_tiles(spec, table, stand_in, zeroed=None):
         launch((table, tiles, tiles if zeroed is None else zeroed))
     else:
         launch((table, tiles))
-    return tiles
-
-
-# Bias tiles kept per rpb tensor for eager inference, where a model's RPB stays the same from call to call and
-# the tiles' launch is half of a forward's host time: rpb -> (tile launch, rpb version, tiles), the last call's only
-# (one table per rpb, whatever the input sizes seen).  An entry holds while the rpb is the same object, unmodified in
-# place (its version counter), for the same launch; it goes with the rpb.
-_REUSED_TILES = WeakIdKeyDictionary()
-
-
-def _reused_bias_tiles(spec, rpb, table, stand_in):
-    """``_bias_tiles``, kept for the next call with this unmodified ``rpb`` (not while a CUDA graph is captured: the
-    graph must write the tiles itself, or it would keep reading these after the rpb changed)."""
-    if rpb.is_inference() or (stand_in.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return _bias_tiles(spec, table, stand_in)
-    launch, version = spec[0], rpb._version
-    kept = _REUSED_TILES.get(rpb)
-    if kept is not None and kept[0] is launch and kept[1] == version:
-        return kept[2]
-    tiles = _bias_tiles(spec, table, stand_in)
-    _REUSED_TILES[rpb] = (launch, version, tiles)
     return tiles
 
 

@@ -235,7 +235,7 @@ def attention(q, k, v, params: NAParams, rpb, scale: float, need_lse: bool = Tru
     """``(out, lse)``; lse is None where ``need_lse`` is False and no backward will need it."""
     if not _traced():
         if not _needs_grad(q, k, v, rpb):  # inference: no autograd node to build
-            return launch.forward(q, k, v, rpb, params, float(scale), need_lse, reuse_bias_tiles=True)
+            return launch.forward(q, k, v, rpb, params, float(scale), need_lse)
         return _EagerFusedNA.apply(q, k, v, rpb, params, float(scale))
     return fused_na_forward(
         q, k, v, rpb, list(params.kernel_size), list(params.stride), list(params.dilation),
@@ -248,7 +248,7 @@ def attention_qkvpacked(qkv, params: NAParams, rpb, scale: float, need_lse: bool
     if not _traced():
         if not _needs_grad(qkv, qkv, qkv, rpb):
             q, k, v = qkv.unbind(-3)
-            return launch.forward(q, k, v, rpb, params, float(scale), need_lse, reuse_bias_tiles=True)
+            return launch.forward(q, k, v, rpb, params, float(scale), need_lse)
         return _EagerFusedNAPacked.apply(qkv, rpb, params, float(scale))
     return fused_na_packed_forward(
         qkv, rpb, list(params.kernel_size), list(params.stride), list(params.dilation),
