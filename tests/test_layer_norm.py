@@ -114,6 +114,37 @@ def test_backward_adds_a_residual_gradient(in_place):
 
 
 @needs_kernels
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "per-sample-scale"])
+def test_forward_adds_a_branch_and_backward_writes_its_gradient(scaled):
+    """``add`` / ``add_scale``: the norm of ``x + scale[sample] * branch`` (a bfloat16 branch, 5 samples of 14 rows),
+    with the sum returned; ``copy_dtype`` / ``copy_scale``: the backward also returns ``scale[sample] * dx`` in
+    bfloat16, the branch's gradient."""
+    x, weight, bias, dy = _inputs((70, 64), torch.float32, affine=True, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    branch = torch.randn(70, 64, generator=gen).to(torch.bfloat16)
+    scale = torch.tensor([0.0, 1.25, 1.25, 0.0, 1.25]) if scaled else None
+    per_row = scale.repeat_interleave(14)[:, None].double() if scaled else 1.0
+    summed = x.detach().double() + per_row * branch.double()
+    y, stats, total = ln.layer_norm_forward(x.detach(), weight.detach(), bias.detach(), 1e-5, torch.float32,
+                                            add=branch, add_scale=scale, block_rows=8)
+    assert total.dtype == torch.float32 and _relative_error(total, summed) < 1e-6
+    ref_x = summed.clone().requires_grad_(True)
+    ref_y = F.layer_norm(ref_x, (64,), weight.detach().double(), bias.detach().double(), 1e-5)
+    assert _relative_error(y, ref_y) < 1e-5
+    (ref_dx,) = torch.autograd.grad(ref_y, ref_x, dy.double())
+    dx, _, _, copy = ln.layer_norm_backward(dy, total, weight.detach(), stats, copy_dtype=torch.bfloat16,
+                                            copy_scale=scale, block_rows=8, max_programs=3)
+    assert _relative_error(dx, ref_dx) < 1e-5
+    assert copy.dtype == torch.bfloat16 and _relative_error(copy, ref_dx * per_row) < 1e-2
+
+
+def test_a_scale_that_does_not_split_the_rows_is_refused():
+    x = torch.randn(10, 8)
+    with pytest.raises(ValueError, match="scale"):
+        ln.layer_norm_forward(x, None, None, 1e-5, torch.float32, add=x, add_scale=torch.ones(3))
+
+
+@needs_kernels
 def test_gradients_only_where_asked():
     """x without grad, weight with grad, no bias: the kernel computes only dweight."""
     x, weight, _, dy = _inputs((3, 11, 64), torch.float32, affine=True, seed=2)

@@ -362,9 +362,9 @@ def _forward(x, masks, block_plan: BlockPlan, eps, weights, save: bool, block):
         out, lse = fused_launch.forward(q, k, v, rpb, block_plan.params, block_plan.scale, host_descriptors=False)
     else:
         out, lse = fused_op.attention_qkvpacked(qkv, block_plan.params, rpb, block_plan.scale, need_lse=False)
-    out2d = out.view(-1, C)
-    x1 = _residual(x2d, torch.addmm(proj_b, out2d, proj_w.t()), None if masks is None else masks[0], B)
-    n2, stats2 = layer_norm_forward(x1, n2_w, n2_b, eps[1], dtype)
+    # the attention branch joins the skip connection inside the second LayerNorm, which also writes the sum
+    n2, stats2, x1 = layer_norm_forward(x2d, n2_w, n2_b, eps[1], dtype, add=torch.addmm(proj_b, out.view(-1, C),
+                                        proj_w.t()), add_scale=None if masks is None else masks[0])
     h = torch.addmm(fc1_b, n2, fc1_w.t())
     g = F.gelu(h)
     x2 = _residual(x1, torch.addmm(fc2_b, g, fc2_w.t()), None if masks is None else masks[1], B).view(B, H, W, C)
@@ -438,12 +438,12 @@ class _BlockFunction(torch.autograd.Function):
         dg, d_fc2_w, d_fc2_b = _linear_grads(dy2, g, fc2_w, needs[11], needs[12])
         dh = _gelu_backward(dg, h)
         dn2, d_fc1_w, d_fc1_b = _linear_grads(dh, n2, fc1_w, needs[9], needs[10])
-        # (the skip connection's gradient is added by the LayerNorm backward kernel)
-        dx1, d_n2_w, d_n2_b = layer_norm_backward(dn2, x1, n2_w, stats2, compute_dweight=needs[7],
-                                                  compute_dbias=needs[8], residual=d)
+        # (the kernel adds the skip connection's gradient, and writes the attention branch's: dx1 * mask1)
+        dx1, d_n2_w, d_n2_b, dy1 = layer_norm_backward(dn2, x1, n2_w, stats2, compute_dweight=needs[7],
+                                                       compute_dbias=needs[8], residual=d, copy_dtype=dtype,
+                                                       copy_scale=mask1)
 
         # attention branch: x1 = x + mask1 * proj(na(qkv(norm1(x))))
-        dy1 = _branch_grad(dx1, mask1, dtype, B)
         d_out, d_proj_w, d_proj_b = _linear_grads(dy1, out.view(-1, C), proj_w, needs[5], needs[6])
         want_drpb = rpb is not None and needs[4]
         d_qkv, d_rpb = fused_op.packed_gradients(qkv, rpb, out, lse, d_out.view(out.shape), None, block_plan.params,
