@@ -43,7 +43,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import ops
 
 from ..backend import set_backend
-from ..speed import COMPILE_MODES, compile_mode, compile_options, compiled, optimizer_kwargs
+from ..speed import (COMPILE_MODES, calling_thread_backward, compile_mode, compile_options, compiled,
+                     optimizer_kwargs)
 from . import report
 from .flops import count_macs
 from .models import swap_dense_attention
@@ -238,11 +239,11 @@ def _train_once(model, make_input, batch, device, precision, settings, channels_
         optimizer.zero_grad(set_to_none=True)
         with autocast(precision, device):
             loss = loss_fn(model(*inputs))
+        with calling_thread_backward():  # as the training tasks run it, for every model alike
+            (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is None:
-            loss.backward()
             optimizer.step()
         else:
-            scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
 
@@ -283,7 +284,8 @@ def measure_throughput(
     for dense SDPA), or ``None`` / ``'-'`` (the model as built).  ``precision``: fp32 | tf32 | fp16 | bf16
     (16-bit: autocast, float32 weights).  ``compile``: False (eager), True (``torch.compile`` default
     mode) or a mode name (``COMPILE_MODES``).  The optimizer is ``opt`` from timm with
-    ``optimizer_kwargs`` (fused AdamW on CUDA).  Each phase also records its GPU time per step
+    ``optimizer_kwargs`` (fused AdamW on CUDA), the backward runs on the calling thread
+    (``calling_thread_backward``), as in the training tasks.  Each phase also records its GPU time per step
     (``gpu_time_ms``).  Errors are caught and reported in ``infer_error`` /
     ``train_error`` (an OOM first retries with a smaller batch); the row's ``cuda_ok`` is False when the
     CUDA context did not survive.  ``macs`` (from :func:`namodels.benchmark.flops.count_macs` at batch 1)

@@ -34,7 +34,7 @@ import ops
 
 from ..data.datamodule import epoch_seed
 from ..data.decoding import UnreadableFiles
-from ..speed import compile_mode, compile_options, optimizer_kwargs
+from ..speed import CallingThreadBackward, compile_mode, compile_options, optimizer_kwargs
 from ..utils.checks import check_choice, check_range
 from ..utils.distributed import SYNCED
 from .clipping import clip_gradients
@@ -80,7 +80,7 @@ def schedule_epochs(sched: dict, max_epochs) -> tuple[int, float]:
     return epochs, warmup
 
 
-class ClassificationModule(pl.LightningModule):
+class ClassificationModule(CallingThreadBackward, pl.LightningModule):
     """Supervised image classification with any timm model (see the module docstring)."""
 
     def __init__(self, model: dict, num_classes: int, optimizer: dict | None = None,

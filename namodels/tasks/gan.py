@@ -41,7 +41,7 @@ from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
 from namodels.data.decoding import UnreadableFiles
-from namodels.speed import optimizer_kwargs
+from namodels.speed import CallingThreadBackward, optimizer_kwargs
 from namodels.tasks.clipping import clip_gradients
 from namodels.utils.distributed import SYNCED
 from namodels.tasks.generators import (DISPLAY_TILE, build_discriminator, build_generator, grid_image, load_generator,
@@ -194,7 +194,7 @@ def find_unused_parameters(strategy: DDPStrategy) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class GANTask(L.LightningModule):
+class GANTask(CallingThreadBackward, L.LightningModule):
     """StyleNAT GAN training.
 
     Args:

@@ -29,7 +29,7 @@ from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMe
 import ops
 
 from ..data.video import check_data_config
-from ..speed import optimizer_kwargs
+from ..speed import CallingThreadBackward, optimizer_kwargs
 from ..utils.checks import check_choice, check_range
 from ..utils.distributed import SYNCED
 from .clipping import clip_gradients
@@ -51,7 +51,7 @@ def _frames(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(0, 1).float()
 
 
-class VideoTask(pl.LightningModule):
+class VideoTask(CallingThreadBackward, pl.LightningModule):
     """See the module docstring.
 
     Args:
