@@ -10,9 +10,6 @@ from torch import nn
 from namodels.benchmark.throughput import measure_throughput
 from namodels.benchmark.timing import TimingSettings
 from namodels.speed import CallingThreadBackward, calling_thread_backward
-from namodels.tasks.classification import ClassificationModule
-from namodels.tasks.gan import GANTask
-from namodels.tasks.video import VideoTask
 
 
 class _Recorded(torch.autograd.Function):
@@ -49,6 +46,10 @@ def test_calling_thread_backward_turns_the_worker_threads_off_for_its_block(seen
 
 
 def test_every_task_runs_lightnings_backward_hook_on_the_calling_thread(seen):
+    from namodels.tasks.classification import ClassificationModule  # (the tasks need Hydra; the GPU test does not)
+    from namodels.tasks.gan import GANTask
+    from namodels.tasks.video import VideoTask
+
     for task in (ClassificationModule, GANTask, VideoTask):
         assert task.backward is CallingThreadBackward.backward, task.__name__
 
