@@ -1016,11 +1016,19 @@ def test_gpu_planned_launches_pass_addresses_and_respect_alignment():
     q_odd = storage[1:].view(q.shape)  # 2-byte offset
     q_odd.copy_(q)
     ref = ops.neighborhood_attention(2, q.float(), k.float(), v.float(), **p.kwargs(), rpb=rpb, backend="naive")
+    import triton
+    from triton.runtime import _allocation
+
     launch._SCRATCH.clear()
-    with autotune.forced(fwd=cfg):
-        for query in (q, q, q_odd, q):
-            out, _ = launch.forward(query, k, v, rpb, params, 64 ** -0.5, host_descriptors=False)
-            assert _rel_err(out, ref) < TOL[torch.bfloat16]
+    previous = _allocation._allocator.get()  # (inductor installs its own when a test before this one compiled)
+    triton.set_allocator(launch._torch_scratch)
+    try:
+        with autotune.forced(fwd=cfg):
+            for query in (q, q, q_odd, q):
+                out, _ = launch.forward(query, k, v, rpb, params, 64 ** -0.5, host_descriptors=False)
+                assert _rel_err(out, ref) < TOL[torch.bfloat16]
+    finally:
+        triton.set_allocator(previous)
     (plan,) = launch._FORWARD.values()
     assert plan.launch.compiled is not None and plan.launch.pointers_only and plan.launch.all_aligned
     assert plan.launch.meta["TMA"] and not plan.launch.meta["HOST_DESC"]
