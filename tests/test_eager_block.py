@@ -353,6 +353,24 @@ def test_stage_casts_are_one_buffer_refilled_in_place_between_steps(block_calls)
     assert len(block_calls) == 4
 
 
+def test_stage_casts_across_inference_mode_and_training(block_calls):
+    """Lightning validates under ``torch.inference_mode`` before and between training steps: a buffer made there
+    cannot be written outside it, so each mode keeps casts of its own, and every step matches the modules."""
+    model, reference = _tiny_pair()
+    stage, ref_stage = model.levels[1], reference.levels[1]
+    x = torch.randn(2, 4, 4, 32)
+
+    def evaluate(s):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return s(x).float()
+
+    assert _rel(evaluate(stage), evaluate(ref_stage)) < 2e-2
+    _assert_close(_stage_step(stage, x), _stage_step(ref_stage, x), 2e-2)
+    assert _rel(evaluate(stage), evaluate(ref_stage)) < 2e-2
+    _assert_close(_stage_step(stage, x), _stage_step(ref_stage, x), 2e-2)
+    assert len(block_calls) == 8
+
+
 def test_two_forwards_before_one_backward_keep_their_own_casts(block_calls):
     """A graph that can still run its backward holds the stage's buffer: the second forward (with changed weights)
     casts into a new one, and each backward reads the casts of its own forward."""

@@ -253,12 +253,15 @@ _SCOPE: contextvars.ContextVar = contextvars.ContextVar("namodels_stage_casts", 
 
 @dataclass
 class _StageBuffer:
+    """A stage's cast buffer: the weights it holds casts of, and each block's views into it."""
+
     sources: list  # the weights cast, in order
     shapes: list
     dtype: torch.dtype
     stream: int | None
     views: list  # the casts, one per source
     views_of: dict  # block -> its views
+    inference: bool  # made under torch.inference_mode (such tensors can only be written there)
     lease: object = None  # weakref to the last call's lease
 
 
@@ -291,8 +294,9 @@ def _stream_of(t: torch.Tensor):
 
 
 def _fill_stage(blocks, dtype, device) -> tuple[dict, object]:
-    """``(block -> (its weights, their versions, their casts), lease)``: every block of ``blocks`` on this path whose weights need a cast, cast
-    in one copy into the stage's buffer (refilled in place where nothing can still read it)."""
+    """``(block -> (its weights, their versions, their casts), lease)``: the GEMM weights of every block of
+    ``blocks`` on this path that needs a cast, cast in one copy into the stage's buffer (refilled in place where
+    nothing can still read it)."""
     members, sources = {}, []
     for block in blocks._modules.values():
         modules = _cached_structure(block) if isinstance(block, layers.NATBlock) else None
@@ -308,8 +312,10 @@ def _fill_stage(blocks, dtype, device) -> tuple[dict, object]:
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     shapes = [w.shape for w in sources]
     stream = _stream_of(sources[0])
+    inference = torch.is_inference_mode_enabled()
     buffer = _STAGE_CASTS.get(blocks)
     reusable = (buffer is not None and not capturing and buffer.dtype == dtype and buffer.stream == stream
+                and buffer.inference == inference
                 and (buffer.lease is None or buffer.lease() is None) and len(buffer.sources) == len(sources)
                 and all(map(operator.is_, buffer.sources, sources)) and buffer.shapes == shapes)
     if reusable:
@@ -320,7 +326,7 @@ def _fill_stage(blocks, dtype, device) -> tuple[dict, object]:
         for block, (weights, _) in members.items():
             spans[block] = views[start:start + len(weights)]
             start += len(weights)
-        buffer = _StageBuffer(sources, shapes, dtype, stream, views, spans)
+        buffer = _StageBuffer(sources, shapes, dtype, stream, views, spans, inference)
         if not capturing:  # (memory a graph captured is not the eager calls' to reuse)
             _STAGE_CASTS[blocks] = buffer
     lease = torch.empty(0)
