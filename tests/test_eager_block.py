@@ -264,10 +264,14 @@ def test_model_training_step_with_gradient_checkpointing_matches_the_modules(blo
 @pytest.mark.parametrize("name", ["nat_tiny", "dinat_tiny"])
 def test_gpu_model_training_step_matches_the_modules(block_calls, name):
     """NAT-/DiNAT-Tiny, batch 8 at 224, bf16 autocast: the block path against the modules on the same fused
-    kernels (each checked against the oracle in test_fused.py)."""
+    kernels (each checked against the oracle in test_fused.py), after a validation-style call under
+    ``torch.inference_mode`` (whose cast buffers the training step must not write)."""
     torch.manual_seed(0)
     model = timm.create_model(name, backend="fused", drop_path_rate=0.0).cuda().train()
     x = torch.randn(8, 3, 224, 224, device="cuda")
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model(x)
+    block_calls.clear()
     results = []
     for enabled in (True, False):
         eager_block.ENABLED = enabled
