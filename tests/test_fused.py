@@ -232,10 +232,10 @@ def test_bias_tiles_of_16_bit_inputs_saturate():
 
 
 
-def test_inference_reuses_bias_tiles_until_rpb_changes(monkeypatch):
-    """Eager inference keeps an rpb's bias tiles for the next call (one launch fewer per call) while the rpb is the
-    same tensor, unmodified, and the problem the same: an in-place update, a new rpb, another input size or a call
-    that needs gradients writes them again (one table kept per rpb); every output against the oracle."""
+def test_inference_writes_bias_tiles_on_every_call(monkeypatch):
+    """Eager inference writes an rpb's bias tiles on every call: an rpb changed in place, and one changed through
+    ``.data`` (which leaves its version counter alone, as a self-distillation teacher's EMA update may), are both
+    followed; every output against the oracle."""
     p = _fixed((6, 7), (3, 5), rpb=True, heads=2, heads_kv=2)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     q, k, v, rpb = p.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
@@ -244,27 +244,21 @@ def test_inference_reuses_bias_tiles_until_rpb_changes(monkeypatch):
     generate = launch._bias_tiles
     monkeypatch.setattr(launch, "_bias_tiles", lambda *a: written.append(1) or generate(*a))
 
-    def check(bias, **grad):
-        with torch.set_grad_enabled(bool(grad)):
-            q_in = q.detach().requires_grad_(bool(grad))
-            out = ops.neighborhood_attention(2, q_in, k, v, **p.kwargs(), rpb=bias, backend="fused")
+    def check(bias):
+        with torch.no_grad():
+            out = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), rpb=bias, backend="fused")
         ref, _ = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial, p.kernel_size,
                                   p.stride, p.dilation, p.causal, rpb=bias.double().cpu())
         assert _rel_err(out, ref) < TOL[torch.float32]
 
     check(rpb)
     check(rpb)
-    assert len(written) == 1  # the second call read the kept tiles
     with torch.no_grad():
-        rpb.mul_(-3.0)  # in place: the version counter moves
+        rpb.mul_(-3.0)
     check(rpb)
-    assert len(written) == 2
-    other = rpb.clone()
-    check(other)
+    rpb.data.add_(1.0)
     check(rpb)
-    assert len(written) == 3  # the new tensor wrote its own; the first one's were still valid
-    check(rpb, grad=True)
-    assert len(written) == 4  # training calls write them per call
+    assert len(written) == 4
     other_size = _fixed((9, 7), (3, 5), rpb=True, heads=2, heads_kv=2)  # the same rpb on another input size
     q2, k2, v2, _ = other_size.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
     with torch.no_grad():
