@@ -98,8 +98,9 @@ if triton is not None:
         and writes row ``p`` of the partial sums ``partial [slots, programs, C]``: the weight gradient
         in slot 0 when computed, then the bias gradient.  ``HAS_RESIDUAL``: dx also gets ``residual`` (a pre-norm
         block's skip-connection gradient) added; it may be dx itself (each element is read before it is written).
-        ``HAS_COPY``: dx is also stored to ``copy`` in its dtype (``HAS_SCALE``: times ``scale[row // rows_per_scale]``),
-        the gradient that reaches a residual branch under per-sample stochastic depth."""
+        ``HAS_COPY``: dx is also stored to ``copy`` in its dtype (``HAS_SCALE``: times
+        ``scale[row // rows_per_scale]``), the gradient that reaches a residual branch under per-sample stochastic
+        depth."""
         program = tl.program_id(0)
         cols = tl.arange(0, BLOCK_C)
         col_ok = cols < N_COLS

@@ -5,9 +5,11 @@ NAT's small feature maps the host, not the GPU, bounds an eager training step.  
 about a dozen module calls, autocast's per-tensor casts, timm's drop-path arithmetic and a backward graph of one
 autograd node per op.  Here the block is one node:
 
-* forward: the block's GEMM weights cast by one multi-tensor copy per stage (``stage_casts``), two LayerNorms on the project's Triton kernel (float32 statistics, the normalised rows written in the
-  GEMMs' dtype, launched through planned compiled kernels), four GEMMs with the bias added in (``addmm``), GELU, the
-  fused NA kernels, and each residual with its stochastic-depth scale as one ``addcmul``;
+* forward: the block's GEMM weights cast by one multi-tensor copy per stage (``stage_casts``), two LayerNorms on the
+  project's Triton kernel (float32 statistics, the normalised rows written in the GEMMs' dtype, launched through
+  planned compiled kernels), four GEMMs with the bias added in (``addmm``), GELU, the fused NA kernels; the attention
+  branch joins the skip connection (with its stochastic-depth scale) inside the second LayerNorm, the MLP branch as
+  one ``addcmul``;
 * backward: the GEMMs write float32 weight gradients directly where torch has ``mm(..., out_dtype=)`` (CUDA), bias
   gradients are float32 sums, and the NA gradient is the fused backward writing the packed qkv gradient.
 
@@ -257,11 +259,9 @@ class _StageBuffer:
 
     sources: list  # the weights cast, in order
     shapes: list
-    dtype: torch.dtype
     stream: int | None
     views: list  # the casts, one per source
     views_of: dict  # block -> its views
-    inference: bool  # made under torch.inference_mode (such tensors can only be written there)
     lease: object = None  # weakref to the last call's lease
 
 
@@ -312,10 +312,10 @@ def _fill_stage(blocks, dtype, device) -> tuple[dict, object]:
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     shapes = [w.shape for w in sources]
     stream = _stream_of(sources[0])
-    inference = torch.is_inference_mode_enabled()
     buffer = _STAGE_CASTS.get(blocks)
-    reusable = (buffer is not None and not capturing and buffer.dtype == dtype and buffer.stream == stream
-                and buffer.inference == inference
+    # (a buffer made under torch.inference_mode can only be written there, and one made outside it not refilled there)
+    reusable = (buffer is not None and not capturing and buffer.views[0].dtype == dtype and buffer.stream == stream
+                and buffer.views[0].is_inference() == torch.is_inference_mode_enabled()
                 and (buffer.lease is None or buffer.lease() is None) and len(buffer.sources) == len(sources)
                 and all(map(operator.is_, buffer.sources, sources)) and buffer.shapes == shapes)
     if reusable:
@@ -326,7 +326,7 @@ def _fill_stage(blocks, dtype, device) -> tuple[dict, object]:
         for block, (weights, _) in members.items():
             spans[block] = views[start:start + len(weights)]
             start += len(weights)
-        buffer = _StageBuffer(sources, shapes, dtype, stream, views, spans, inference)
+        buffer = _StageBuffer(sources, shapes, stream, views, spans)
         if not capturing:  # (memory a graph captured is not the eager calls' to reuse)
             _STAGE_CASTS[blocks] = buffer
     lease = torch.empty(0)
@@ -453,8 +453,8 @@ class _BlockFunction(torch.autograd.Function):
         d_out, d_proj_w, d_proj_b = _linear_grads(dy1, out.view(-1, C), proj_w, needs[5], needs[6])
         want_drpb = rpb is not None and needs[4]
         d_qkv, d_rpb = fused_op.packed_gradients(qkv, rpb, out, lse, d_out.view(out.shape), None, block_plan.params,
-                                                  block_plan.scale, fused_op.drpb_deterministic(), want_drpb,
-                                                  host_descriptors=False)
+                                                 block_plan.scale, fused_op.drpb_deterministic(), want_drpb,
+                                                 host_descriptors=False)
         d_qkv = d_qkv.view(-1, 3 * C)
         dn1, d_qkv_w, d_qkv_b = _linear_grads(d_qkv, n1, qkv_w, needs[2], needs[3])
         dx, d_n1_w, d_n1_b = layer_norm_backward(dn1, x2d, n1_w, stats1, compute_dx=ctx.needs_input_grad[0],

@@ -604,7 +604,7 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     plan = _BACKWARD.get(key)
     if plan is None:
         plan = remember_plan(_BACKWARD, key, plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale,
-                                                       deterministic, want_drpb, grads, host_descriptors))
+                                                           deterministic, want_drpb, grads, host_descriptors))
     b, n, hq, hkv, d, dv = plan.shapes
     dev = q.device
     if grads is None:

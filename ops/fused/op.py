@@ -129,8 +129,8 @@ def fused_na_packed_backward(
     is_causal: list[bool], scale: float, deterministic: bool, want_drpb: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     d_qkv, drpb = packed_gradients(qkv, rpb, out, lse, d_out, d_lse,
-                                    _params(qkv.unbind(-3)[0], kernel_size, stride, dilation, is_causal), scale,
-                                    deterministic, want_drpb)
+                                   _params(qkv.unbind(-3)[0], kernel_size, stride, dilation, is_causal), scale,
+                                   deterministic, want_drpb)
     return d_qkv, qkv.new_empty((0,)) if drpb is None else drpb  # custom ops return tensors only
 
 
@@ -142,7 +142,7 @@ def _packed_backward_fake(qkv, rpb, out, lse, d_out, d_lse, kernel_size, stride,
 
 
 def packed_gradients(qkv, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb,
-                      host_descriptors: bool = True):
+                     host_descriptors: bool = True):
     """``(d_qkv, drpb or None)``: the backward kernels write dq, dk and dv straight into one contiguous buffer
     (``host_descriptors``: see ``launch.forward``)."""
     d_qkv = launch._empty(qkv.shape, qkv.dtype, qkv.device)  # (the tests poison it like every kernel output)
