@@ -5,7 +5,6 @@ in the shared window module cannot hide behind an oracle that shares it.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import random
@@ -29,7 +28,6 @@ def _axis_keys(i: int, L: int, K: int, s: int, d: int, causal: bool):
     return {jp * d + g: jp - ip + K - 1 for jp in range(lo, hi + 1)}
 
 
-@functools.lru_cache(maxsize=8)  # the large-window problems take seconds to build; callers only read the result
 def dense_mask_and_bias_index(spatial, kernel_size, stride, dilation, causal):
     """Boolean mask [N, N] (query, key) and, per admitted pair, the per-axis RPB index tuple."""
     per_axis = [
