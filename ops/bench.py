@@ -201,6 +201,10 @@ def _reference_sample(q, k, v, rpb, params, scale, samples, gen):
     return idx, out
 
 
+# the fused backend with its Hopper kernel turned off (``ops/fused/hopper.py``), to time the two side by side
+PORTABLE = "fused-portable"
+
+
 def _backend_call(p: BenchProblem, name: str, q, k, v, rpb, d_out=None):
     """``(call, fn)`` for one backend on its own leaves of the inputs: ``call()`` returns the attention output, ``fn()``
     is what gets timed (``call`` and, given ``d_out``, its backward).  Built per backend in a function of its own,
@@ -210,6 +214,10 @@ def _backend_call(p: BenchProblem, name: str, q, k, v, rpb, d_out=None):
         rpb = rpb.detach().requires_grad_(True) if rpb is not None else None
 
     def call():
+        if name == PORTABLE:
+            from .fused import hopper
+            with hopper.disabled():
+                return p.attention(q, k, v, rpb, "fused")
         return p.attention(q, k, v, rpb, name)
 
     if d_out is None:

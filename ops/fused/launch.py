@@ -16,7 +16,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import autotune, kernels, rpb_grad
+from . import autotune, hopper, kernels, rpb_grad
 from .tiles import axes_of, max_boxes, partial_axes
 from ..window import NAParams
 
@@ -394,6 +394,7 @@ class ForwardPlan:
     rpb_direct: bool  # the rpb tensor is the kernels' table as it is (float32, contiguous, one launch)
     host_desc_layouts: tuple | None = None  # (K/V layouts,) of host-built descriptors, rebuilt per call
     bias_tiles: tuple | None = None  # (launch, elements, dtype) of the per-box RPB tiles (``na_bias_tiles_kernel``)
+    hopper: hopper.HopperForward | None = None  # the problem runs on the Hopper kernel instead (``ops/fused/hopper.py``)
 
     @property
     def launch(self) -> _Launch:
@@ -405,7 +406,7 @@ def _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors):
     # k / v alignment decides whether their tiles can be bulk copies (tma_eligible)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], q.dtype, q.device,
             _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse, BIAS_TILES, autotune.state(),
-            autotune.dot_precision(q.dtype), host_descriptors)
+            autotune.dot_precision(q.dtype), host_descriptors, hopper.ENABLED)
 
 
 def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True, host_descriptors: bool = True):
@@ -422,6 +423,11 @@ def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True,
     table = None if rpb is None else rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])
     if plan.as_tokens:
         q, k, v = _tokens(q, plan.tokens), _tokens(k, plan.tokens), _tokens(v, plan.tokens)
+    if plan.hopper is not None:
+        b, hq = out.shape[0], out.shape[-2]
+        hopper.run(plan.hopper, _tokens(q, plan.tokens), _tokens(k, plan.tokens), _tokens(v, plan.tokens),
+                   out.view(b, plan.tokens, hq, -1), None if lse is None else lse.view(b, plan.tokens, hq))
+        return out, lse
     bias = q if table is None else table  # (a stand-in without RPB: the kernel does not read it)
     tiles = _bias_tiles(plan.bias_tiles, table, q)
     _run_chunks(plan.launches, (q, k, v, bias, out, out if lse is None else lse,
@@ -501,6 +507,10 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
     has_rpb = rpb is not None
     tma_ok = tma_eligible(k4, v4)
     host_desc = host_descriptors and tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
+    if hopper.unsupported(q4, k4, v4, rpb, params, scale) is None:
+        return ForwardPlan((), n, (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
+                           as_tokens=not _same_memory(((q4, q), (k4, k), (v4, v))), rpb_direct=False,
+                           hopper=hopper.plan(q4, k4, v4, params, scale, need_lse))
     precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
     idx64 = needs_int64(q4, k4, v4, out4)
     bias_tiles = BIAS_TILES and has_rpb and scale > 0

@@ -1,0 +1,433 @@
+"""The forward on Hopper (sm_90): a warp-specialised Gluon kernel for large windows.
+
+One program owns a 128-row query box and three roles run side by side in it: a one-warp producer issues the
+K/V bulk copies (TMA, N-D boxes) into a ring of shared-memory stages; two consumer warpgroups each own 64 of the
+box's rows and run the score matmul, the online softmax and the value matmul (wgmma) on every stage, then hand
+the stage back.  Stages pass between the roles through mbarriers, so copies, matmuls and one consumer's softmax
+overlap the other consumer's work, where the portable kernel (``kernels.na_fwd_kernel``) runs all of it in one
+warpgroup and its softmax waits for its own matmuls.
+
+The window rules stay on the host: per axis, each position's window ``[start, stop)`` (``STARTS``) and each query
+tile's key span and the part of it inside every row's window (``SPANS``: ``lo, hi, in_lo, in_hi``), both from
+``ops.window``; the kernel reads them from two small tables.  Key tiles inside every row's window skip the mask.
+The query box reaches shared memory as one [64, D] box per consumer, so the host first copies Q in tile order
+(``tile_major``), one read and one write of Q.
+
+A program whose result holds a NaN or an infinity flags its rows; ``na_fwd_nonfinite_kernel`` (Triton) then
+recomputes the flagged programs one window offset at a time (``kernels._attend_by_offset``), which keeps non-finite
+values inside the windows that hold them, as the portable kernel does.
+
+It runs where it is built for: 16-bit inputs, head dim 64 or 128 (= value dim), no RPB, positive scale, no
+dilation, heads packed per token, and windows of at least ``MIN_WINDOW`` keys (small windows waste most of a
+128 x 128 tile).  Everything else, and any GPU but sm_90, takes the portable kernel; ``NAMODELS_HOPPER=0`` (or
+``disabled()``) forces it.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import kernels, tiles
+from .kernels import _attend_by_offset, _program_group
+from ..window import NAParams, axis_window
+
+try:  # Gluon (Triton's explicit-layout dialect) exists from Triton 3.5 on
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError:  # pragma: no cover - older Triton: the portable kernel runs everything
+    gluon = None
+
+ENABLED = os.environ.get("NAMODELS_HOPPER", "0") == "1"
+ROWS = 128  # query rows per program: two consumer warpgroups of 64
+HALF = 64
+COLS = 128  # keys per stage
+HEAD_DIMS = (64, 128)
+MIN_WINDOW = 1024
+STAGES = 2  # K/V stages in shared memory (64 KB each at head dim 128)
+CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg); the producer runs on 24
+PRODUCER_REGS = 24
+
+
+@contextlib.contextmanager
+def disabled():
+    """Plans made inside take the portable kernel (benchmarks and tests compare the two in one process)."""
+    global ENABLED
+    was, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = was
+
+
+if gluon is not None:
+
+    # Partition functions see only values: a constexpr passed through ``gl.warp_specialize`` arrives as a tensor
+    # (Triton 3.6), so tile sizes, stages and head dim are read off the shared-memory buffers' shapes, the rows'
+    # offsets inside the query box come from a table (``ROW_OFFSETS``), and the two switches are runtime flags.
+
+    @gluon.jit
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, b, col, lo0, lo1, lo2, n12, n2, n_tiles):
+        """Producer: the program's key boxes in loop order, each K and V box into the next free stage."""
+        stages: gl.constexpr = k_smem.type.shape[0]
+        for t in range(n_tiles):
+            stage = t % stages
+            # a fresh barrier reads as having completed the phase before its first, so the first lap passes
+            mbarrier.wait(empty.index(stage), ((t // stages) & 1) ^ 1)
+            i0 = t // n12
+            i1 = (t - i0 * n12) // n2
+            i2 = t - i0 * n12 - i1 * n2
+            bar = ready.index(stage)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            coord = [b, lo0 + i0 * k_smem.type.shape[2], lo1 + i1 * k_smem.type.shape[3],
+                     lo2 + i2 * k_smem.type.shape[4], col]
+            tma.async_copy_global_to_shared(k_desc, coord, bar, k_smem.index(stage))
+            tma.async_copy_global_to_shared(v_desc, coord, bar, v_smem.index(stage))
+
+    @gluon.jit
+    def _axis_rows(STARTS, ROW_OFFSETS, axis, first, r, L, LMAX):
+        """Per row of a consumer's half: valid, clamped coordinate, window start and stop on one axis."""
+        q = first + gl.load(ROW_OFFSETS + axis * 128 + r)
+        qc = gl.minimum(q, L - 1)
+        base = STARTS + (axis * LMAX + qc) * 2
+        return q < L, qc, gl.load(base), gl.load(base + 1)
+
+    @gluon.jit
+    def _consume(q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
+                 b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                 n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, half):
+        """Consumer: 64 query rows against every stage the producer fills, then their output, lse and flags."""
+        stages: gl.constexpr = k_smem.type.shape[0]
+        U0: gl.constexpr = k_smem.type.shape[2]
+        U1: gl.constexpr = k_smem.type.shape[3]
+        U2: gl.constexpr = k_smem.type.shape[4]
+        block_d: gl.constexpr = k_smem.type.shape[5]
+        h_rows: gl.constexpr = q_smem.type.shape[1]
+        cols: gl.constexpr = U0 * U1 * U2
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_d, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        r = half * h_rows + gl.arange(0, h_rows, layout=s_rows)
+        ok0, qc0, start0, stop0 = _axis_rows(STARTS, ROW_OFFSETS, 0, first0, r, L0, LMAX)
+        ok1, qc1, start1, stop1 = _axis_rows(STARTS, ROW_OFFSETS, 1, first1, r, L1, LMAX)
+        ok2, qc2, start2, stop2 = _axis_rows(STARTS, ROW_OFFSETS, 2, first2, r, L2, LMAX)
+        c = gl.arange(0, cols, layout=gl.SliceLayout(0, s_layout))
+        c0 = c // (U1 * U2)
+        c1 = (c // U2) % U1
+        c2 = c % U2
+
+        m_i = gl.full([h_rows], float("-inf"), gl.float32, layout=s_rows)
+        l_i = gl.zeros([h_rows], gl.float32, layout=s_rows)
+        acc = gl.zeros([h_rows, block_d], gl.float32, layout=o_layout)
+        q = q_smem.index(half)
+        mbarrier.wait(q_bar, 0)
+        for t in range(n_tiles):
+            stage = t % stages
+            i0 = t // n12
+            i1 = (t - i0 * n12) // n2
+            k0 = lo0 + i0 * U0
+            k1 = lo1 + i1 * U1
+            k2 = lo2 + (t - i0 * n12 - i1 * n2) * U2
+            mbarrier.wait(ready.index(stage), (t // stages) & 1)
+            k_tile = k_smem.index(stage).reshape([cols, block_d])
+            s = warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([h_rows, cols], gl.float32, layout=s_layout),
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if mask:
+                full = ((k0 >= in_lo0) & (k0 + U0 <= in_hi0) & (k1 >= in_lo1) & (k1 + U1 <= in_hi1)
+                        & (k2 >= in_lo2) & (k2 + U2 <= in_hi2))
+                if not full:
+                    kj0 = k0 + c0
+                    kj1 = k1 + c1
+                    kj2 = k2 + c2
+                    keep = ((kj0[None, :] >= start0[:, None]) & (kj0[None, :] < stop0[:, None])
+                            & (kj1[None, :] >= start1[:, None]) & (kj1[None, :] < stop1[:, None])
+                            & (kj2[None, :] >= start2[:, None]) & (kj2[None, :] < stop2[:, None]))
+                    s = gl.where(keep, s, float("-inf"))
+            # positive scale: the max of the raw scores is the max of the scaled ones; the scale rides exp2's FMA
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing admitted yet
+            p = gl.exp2(s * qk_scale - m_use[:, None])
+            alpha = gl.exp2(m_i - m_use)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            v_tile = v_smem.index(stage).reshape([cols, block_d])
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        l_i = gl.where(l_i > 0.0, l_i, 1.0)  # rows past an axis' end (zero queries) are never stored
+        out = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
+        q_ok = ok0 & ok1 & ok2
+        tok = (qc0 * L1 + qc1) * L2 + qc2
+        if store_lse:
+            gl.store(LSE + b.to(gl.int64) * slb + tok * slt + h, (m_i + gl.log2(l_i)) * 0.6931471805599453,
+                     mask=q_ok)
+        nonfinite = gl.convert_layout(gl.sum(out * 0.0, 1) != 0.0, s_rows)
+        gl.store(FLAGS + program * (2 * h_rows) + r, nonfinite.to(gl.int8))
+        tok_o = gl.convert_layout(tok, o_rows)
+        ok_o = gl.convert_layout(q_ok, o_rows)
+        d = gl.arange(0, block_d, layout=gl.SliceLayout(0, o_layout))
+        gl.store(O + b.to(gl.int64) * sob + h * soh + tok_o[:, None] * sot + d[None, :], out.to(dtype),
+                 mask=ok_o[:, None])
+
+    @gluon.jit
+    def _consume_first(q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
+                       b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2,
+                       in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask):
+        _consume(q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
+                 first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
+                 n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, 0)
+
+    @gluon.jit
+    def _consume_second(q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
+                        b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2,
+                        in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse,
+                        mask):
+        _consume(q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
+                 first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
+                 n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, 1)
+
+    @gluon.jit
+    def na_fwd_hopper_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS,
+                             sob, sot, soh, slb, slt, HQ, GROUP, qk_scale, L0, L1, L2, NT0, NT1, NT2, LMAX, NTMAX,
+                             store_lse, mask, STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+                             PRODUCER_REGS_: gl.constexpr):
+        # q_desc: Q in tile order ([B * H * programs * 128, D], ``tile_major``) in [64, D] boxes; k_desc / v_desc:
+        # K and V as [B, L0, L1, L2, heads * D] in (1, U0, U1, U2, D) boxes.  STARTS[axis, position] = (start,
+        # stop) of the position's window; SPANS[axis, tile] = (lo, hi, in_lo, in_hi, first query, -, -, -) of a query
+        # tile; ROW_OFFSETS[axis, row] = the row's offset from the tile's first query.  FLAGS[program, row] = 1 where
+        # the row's result holds a NaN / inf.  ``store_lse`` / ``mask``: runtime switches (see the partitions).
+        pid = gl.program_id(0)
+        bh = gl.program_id(1)
+        program = bh * gl.num_programs(0) + pid
+        b = bh // HQ
+        h = bh % HQ
+        tile2 = pid % NT2
+        tile1 = (pid // NT2) % NT1
+        tile0 = pid // (NT1 * NT2)
+        span0 = SPANS + (0 * NTMAX + tile0) * 8
+        span1 = SPANS + (1 * NTMAX + tile1) * 8
+        span2 = SPANS + (2 * NTMAX + tile2) * 8
+        lo0, hi0, in_lo0, in_hi0 = gl.load(span0), gl.load(span0 + 1), gl.load(span0 + 2), gl.load(span0 + 3)
+        lo1, hi1, in_lo1, in_hi1 = gl.load(span1), gl.load(span1 + 1), gl.load(span1 + 2), gl.load(span1 + 3)
+        lo2, hi2, in_lo2, in_hi2 = gl.load(span2), gl.load(span2 + 1), gl.load(span2 + 2), gl.load(span2 + 3)
+        U0: gl.constexpr = k_desc.block_type.shape[1]
+        U1: gl.constexpr = k_desc.block_type.shape[2]
+        U2: gl.constexpr = k_desc.block_type.shape[3]
+        BLOCK_D: gl.constexpr = k_desc.block_type.shape[4]
+        n2 = gl.cdiv(hi2 - lo2, U2)
+        n12 = gl.cdiv(hi1 - lo1, U1) * n2
+        n_tiles = gl.cdiv(hi0 - lo0, U0) * n12
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES_] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES_] + v_desc.block_type.shape, v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES_):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers hand a stage back
+        mbarrier.init(q_bar, count=1)
+        fence_async_shared()
+
+        H_ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [program * 2 * H_ROWS, 0], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [program * 2 * H_ROWS + H_ROWS, 0], q_bar, q_smem.index(1))
+
+        args = (q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
+                gl.load(span0 + 4), gl.load(span1 + 4), gl.load(span2 + 4), lo0, lo1, lo2, in_lo0, in_hi0, in_lo1,
+                in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX,
+                store_lse, mask)
+        gl.warp_specialize([
+            (_consume_first, args),
+            (_consume_second, args),
+            (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready, empty, b, (h // GROUP) * BLOCK_D, lo0, lo1, lo2, n12,
+                        n2, n_tiles)),
+        ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+
+
+@triton.jit
+def na_fwd_nonfinite_kernel(
+    Q, Kp, V, O, LSE, FLAGS,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, slb, slt,
+    HQ, GROUP, HEAD_DIM, qk_scale,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, NT0, NT1, NT2,
+    CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
+    ACT0: tl.constexpr, ACT1: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+    BLOCK_D: tl.constexpr, IDX64: tl.constexpr, STORE_LSE: tl.constexpr, SUB: tl.constexpr,
+):
+    """The rows of the programs that ``na_fwd_hopper_kernel`` flagged, again, one window offset at a time; every
+    other program reads its flags and ends."""
+    program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    if tl.max(tl.load(FLAGS + program * (T0 * T1 * T2) + tl.arange(0, T0 * T1 * T2)), 0) != 0:
+        g0, tile0, g1, tile1, g2, tile2, b, h, Lg0, Lg1, Lg2 = _program_group(NT0, NT1, NT2, 1, 1, 1, L0, L1, L2,
+                                                                             HQ, ACT0, ACT1)
+        hk = h // GROUP
+        b64 = b.to(tl.int64)
+        _attend_by_offset(Q, Kp, V, Q, O, LSE, b64 * sqb + h * sqh, b64 * skb + hk * skh, b64 * svb + hk * svh,
+                          b64 * sob + h * soh, b64 * slb, sqt, skt, svt, sot, slt, h, tile0, tile1, tile2, g0, g1, g2,
+                          Lg0, Lg1, Lg2, L1, L2, K0, K1, K2, S0, S1, S2, 1, 1, 1, HEAD_DIM, HEAD_DIM, qk_scale,
+                          CAUSAL0, CAUSAL1, CAUSAL2, T0, T1, T2, SUB, BLOCK_D, BLOCK_D, False, IDX64, STORE_LSE)
+
+
+@dataclass(frozen=True)
+class HopperForward:
+    """A forward problem's launches on the Hopper kernel (``plan``)."""
+
+    q_tile: tuple  # (T0, T1, T2)
+    kv_tile: tuple  # (U0, U1, U2)
+    tiles_per_axis: tuple  # (NT0, NT1, NT2)
+    spatial: tuple  # (L0, L1, L2)
+    grid: tuple
+    masked: bool  # some key tile lies partly outside some row's window (else no tile is masked)
+    starts: torch.Tensor  # [3, LMAX, 2] int32: each position's window per axis
+    spans: torch.Tensor  # [3, NTMAX, 8] int32: each query tile's key span and first query per axis
+    row_offsets: torch.Tensor  # [3, 128] int32: each row's offset from its tile's first query per axis
+    scalars: tuple  # the main kernel's, after its tensor arguments
+    meta: dict
+    fixup_scalars: tuple
+    fixup_meta: dict
+    kv_layouts: tuple
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float) -> str | None:
+    """Why the Hopper kernel cannot run this problem (None where it can); ``q4`` / ``k4`` / ``v4``: ``[B, N, H, D]``."""
+    from . import launch  # (launch imports this module)
+
+    if not ENABLED:
+        return "disabled (NAMODELS_HOPPER=0)"
+    if gluon is None:
+        return "needs Triton's Gluon dialect (Triton 3.5 or newer)"
+    if kernels.interpreted() or not sm90(q4.device):
+        return "needs an sm_90 GPU"
+    if q4.dtype not in (torch.float16, torch.bfloat16) or not (q4.dtype == k4.dtype == v4.dtype):
+        return "needs 16-bit inputs"
+    if q4.shape[-1] not in HEAD_DIMS or v4.shape[-1] != q4.shape[-1]:
+        return f"needs head dim in {HEAD_DIMS} equal to the value dim"
+    if rpb is not None:
+        return "no RPB"
+    if not scale > 0:
+        return "needs a positive scale"
+    if any(d != 1 for d in params.dilation):
+        return "no dilation"
+    if params.window_size < MIN_WINDOW:
+        return f"windows under {MIN_WINDOW} keys run faster on the portable kernel's smaller tiles"
+    if params.num_tokens < ROWS:
+        return "fewer tokens than one query tile"
+    if not launch.host_descriptors_ok(params, k4, v4, q4.shape[0], q4.shape[-2]):
+        return "K/V layout does not allow host-built descriptors"
+    if launch.needs_int64(q4, k4, v4):
+        return "offsets past 2**31 elements"
+    return None
+
+
+def window_tables(params: NAParams, q_tile, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(starts, spans, row_offsets)``: per axis (leading dummy axes first), every position's window ``[start,
+    stop)``; every query tile's key span ``[lo, hi)``, the part ``[in_lo, in_hi)`` inside all its rows' windows and
+    its first query (padded to 8 fields); and each of a tile's rows' offsets from that first query."""
+    axes = [(1, 1, 1, False)] * (3 - params.rank) + [(L, K, s, c) for L, K, s, _, c in params.axes()]
+    lmax = max(L for L, *_ in axes)
+    ntmax = max(-(-L // t) for (L, *_), t in zip(axes, q_tile))
+    starts = torch.zeros(3, lmax, 2, dtype=torch.int32)
+    spans = torch.zeros(3, ntmax, 8, dtype=torch.int32)
+    for a, ((L, K, s, causal), t) in enumerate(zip(axes, q_tile)):
+        windows = [tuple(int(x) for x in axis_window(i, L, K, s, 1, causal)[2:]) for i in range(L)]
+        starts[a, :L] = torch.tensor(windows, dtype=torch.int32)
+        for tile in range(-(-L // t)):
+            first, last = tile * t, min(tile * t + t, L) - 1
+            (a_first, b_first), (a_last, b_last) = windows[first], windows[last]
+            spans[a, tile, :5] = torch.tensor([a_first, b_last, a_last, b_first, first], dtype=torch.int32)
+    rows = torch.arange(math.prod(q_tile))
+    t0, t1, t2 = q_tile
+    row_offsets = torch.stack([rows // (t1 * t2), (rows // t2) % t1, rows % t2]).to(torch.int32)
+    return starts.to(device), spans.to(device), row_offsets.to(device)
+
+
+def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperForward:
+    """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted."""
+    from . import launch
+
+    b, n, hq, hkv, d = q4.shape[0], params.num_tokens, q4.shape[-2], k4.shape[-2], q4.shape[-1]
+    pad = 3 - params.rank
+    axes = tiles.axes_of(params)
+    q_tile, kv_tile = tiles.choose_tiles(axes, ROWS, COLS)
+    q_tile, kv_tile = (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile)
+    masked = tiles.partial_axes(axes, q_tile[pad:], kv_tile[pad:]) > 0
+    window, programs = launch._window_args(params, q_tile)
+    L, K, S, _, C = launch._axes3(params)
+    nt = tuple(window[12:15])
+    starts, spans, row_offsets = window_tables(params, q_tile, q4.device)
+    lse_strides = (n * hq, hq) if need_lse else (0, 0)
+    out_strides = (n * hq * d, hq * d, d)
+    qk_scale = scale * kernels.LOG2E
+    scalars = (*out_strides, *lse_strides, hq, hq // hkv, qk_scale, *L, *nt, starts.shape[1], spans.shape[1],
+               int(need_lse), int(masked))
+    meta = dict(STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
+    fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *out_strides, *lse_strides,
+                     hq, hq // hkv, d, qk_scale, *L, *K, *S, *nt)
+    fixup_meta = dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
+                      T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], BLOCK_D=d, IDX64=False, STORE_LSE=need_lse,
+                      SUB=launch.gather_rows(d, d), num_warps=4, num_stages=1)
+    return HopperForward(q_tile, kv_tile, nt, L, (programs, b * hq), masked, starts, spans, row_offsets, scalars,
+                         meta, fixup_scalars, fixup_meta, launch.host_kv_layouts(params, k4, v4, kv_tile))
+
+
+def tile_major(q4: torch.Tensor, fw: HopperForward) -> torch.Tensor:
+    """``[B, N, H, D]`` -> ``[B * H * tiles * ROWS, D]``: each program's query tile as consecutive rows, rows past
+    the end of an axis zero (a program's result is computed from them, never stored)."""
+    b, _, h, d = q4.shape
+    (t0, t1, t2), (n0, n1, n2), (l0, l1, l2) = fw.q_tile, fw.tiles_per_axis, fw.spatial
+    out = torch.empty((b, h, n0, n1, n2, t0, t1, t2, d), dtype=q4.dtype, device=q4.device)
+    q5 = q4.reshape(b, l0, l1, l2, h, d)
+    if (n0 * t0, n1 * t1, n2 * t2) != (l0, l1, l2):  # a partial tile on some axis: zero rows past its end
+        padded = q5.new_zeros((b, n0 * t0, n1 * t1, n2 * t2, h, d))
+        padded[:, :l0, :l1, :l2] = q5
+        q5 = padded
+    # out seen as [B, n0, t0, n1, t1, n2, t2, H, D]: the tokens' order
+    out.permute(0, 2, 5, 3, 6, 4, 7, 1, 8).copy_(q5.reshape(b, n0, t0, n1, t1, n2, t2, h, d))
+    return out.view(-1, d)
+
+
+def _descriptor(t: torch.Tensor, shape, strides, block) -> "GluonDescriptor":
+    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return GluonDescriptor(t, list(shape), list(strides), list(block),
+                           gl.NVMMASharedLayout.get_default_for(list(block), element))
+
+
+def run(fw: HopperForward, q4, k4, v4, out4, lse) -> None:
+    """``out4`` (``[B, N, H, D]``) and ``lse`` (``[B, N, H]`` float32, or None) for the problem of ``fw``."""
+    d = q4.shape[-1]
+    q_rows = tile_major(q4, fw)
+    q_desc = _descriptor(q_rows, q_rows.shape, (d, 1), (HALF, d))
+    k_desc = _descriptor(k4, *fw.kv_layouts[0])
+    v_desc = _descriptor(v4, *fw.kv_layouts[1])
+    flags = torch.empty(fw.programs * ROWS, dtype=torch.int8, device=q4.device)
+    lse_arg = out4 if lse is None else lse
+    na_fwd_hopper_kernel[fw.grid](q_desc, k_desc, v_desc, out4, lse_arg, flags, fw.starts, fw.spans, fw.row_offsets, *fw.scalars,
+                                  **fw.meta)
+    na_fwd_nonfinite_kernel[fw.grid](q4, k4, v4, out4, lse_arg, flags, *fw.fixup_scalars, **fw.fixup_meta)

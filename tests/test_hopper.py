@@ -1,0 +1,179 @@
+"""The fused backend's Hopper forward (``ops/fused/hopper.py``) against the dense float64 oracle.
+
+The kernel needs an sm_90 GPU (``gpu`` tests); its host side (eligibility, tiles, the tile-order copy of Q) is plain
+torch and runs here too.  Each GPU case asserts that the call took the Hopper kernel, poisons every output buffer
+with NaN first, and covers masked and mask-free launches, padded query tiles, GQA, causal and strided axes, both
+16-bit dtypes and both head dims.
+"""
+import itertools
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of triton code
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+import ops  # noqa: E402
+from ops.fused import hopper, launch  # noqa: E402
+from ops.window import NAParams  # noqa: E402
+from tests.oracle import RandomProblem, oracle_attention  # noqa: E402
+
+
+def _params(spatial, kernel, stride=None, causal=None):
+    rank = len(spatial)
+    return NAParams(tuple(spatial), tuple(kernel), tuple(stride or (1,) * rank), (1,) * rank,
+                    tuple(causal or (False,) * rank))
+
+
+def _plan(spatial, kernel, stride=None, heads=2, dim=128, batch=1):
+    params = _params(spatial, kernel, stride)
+    q4 = torch.zeros(batch, params.num_tokens, heads, dim, dtype=torch.bfloat16)
+    return hopper.plan(q4, q4, q4, params, dim**-0.5, True)
+
+
+def test_mask_only_where_some_tile_is_partial():
+    # 2-D stride 16 with an 80 x 80 window: every query tile shares its window, whose span the key tiles cover
+    # exactly; the unstrided problem has tiles partly outside some query's window
+    assert not _plan((256, 256), (80, 80), (16, 16)).masked
+    assert _plan((256, 256), (80, 80)).masked
+    fw = _plan((30, 48, 80), (18, 24, 24))
+    assert fw.masked and len(fw.q_tile) == 3 and len(fw.kv_tile) == 3
+    assert fw.q_tile[0] * fw.q_tile[1] * fw.q_tile[2] == hopper.ROWS
+    assert fw.kv_tile[0] * fw.kv_tile[1] * fw.kv_tile[2] == hopper.COLS
+
+
+@pytest.mark.parametrize("spatial, kernel", [((4, 16, 24), (3, 9, 9)), ((40, 24), (33, 17)), ((300,), (129,))])
+def test_tile_major_holds_each_programs_query_rows_in_order(spatial, kernel):
+    """Row r of program p's block is the query at the tile's origin plus r's row-major offset; rows past an axis'
+    end are zero."""
+    params = _params(spatial, kernel)
+    batch, heads, dim = 2, 3, 64
+    q4 = torch.randn(batch, params.num_tokens, heads, dim).to(torch.bfloat16)
+    fw = hopper.plan(q4, q4, q4, params, 0.1, False)
+    rows = hopper.tile_major(q4, fw).view(batch, heads, *fw.tiles_per_axis, *fw.q_tile, dim)
+    L = (1,) * (3 - len(spatial)) + tuple(spatial)
+    q5 = q4.view(batch, *L, heads, dim)
+    for index in itertools.product(*(range(n) for n in (*fw.tiles_per_axis, *fw.q_tile))):
+        tile, offset = index[:3], index[3:]
+        pos = [t * s + o for t, s, o in zip(tile, fw.q_tile, offset)]
+        got = rows[:, :, tile[0], tile[1], tile[2], offset[0], offset[1], offset[2]]
+        if all(p < n for p, n in zip(pos, L)):
+            assert torch.equal(got, q5[:, pos[0], pos[1], pos[2]])
+        else:
+            assert not got.any()
+
+
+def test_unsupported_names_the_reason():
+    params = _params((64, 64), (33, 33))
+    q4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
+    if not (torch.cuda.is_available() and hopper.sm90(torch.device("cuda"))):
+        assert "sm_90" in hopper.unsupported(q4, q4, q4, None, params, 0.1)
+    with hopper.disabled():
+        assert "disabled" in hopper.unsupported(q4, q4, q4, None, params, 0.1)
+
+
+# --- on the GPU -------------------------------------------------------------------------------------------------
+
+def _sm90():
+    return torch.cuda.is_available() and hopper.sm90(torch.device("cuda"))
+
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")(test))
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the kernels write starts as NaN; plans start empty and end empty."""
+    monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                     device=device))
+    launch._FORWARD.clear()
+    launch._BACKWARD.clear()
+    yield
+    launch._FORWARD.clear()
+    launch._BACKWARD.clear()
+
+
+TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+CASES = {
+    # (spatial, kernel, stride, causal, heads, heads_kv)
+    "1d": ((2048,), (1024,), (1,), (False,), 2, 2),
+    "1d-strided-gqa": ((1536,), (1024,), (256,), (False,), 4, 2),
+    "2d": ((48, 40), (33, 31), (1, 1), (False, False), 2, 1),
+    "2d-strided": ((64, 64), (32, 32), (16, 16), (False, False), 2, 2),
+    "3d-causal": ((6, 16, 20), (5, 15, 15), (1, 1, 1), (True, False, False), 2, 2),
+    "3d-strided-padded": ((7, 18, 16), (5, 15, 15), (2, 8, 8), (False, False, False), 1, 1),
+}
+
+
+def _problem(name, dim):
+    spatial, kernel, stride, causal, heads, heads_kv = CASES[name]
+    return RandomProblem(spatial, kernel, stride, (1,) * len(spatial), causal, 2, heads, heads_kv, dim, dim, False)
+
+
+def _attend(p, dtype, seed, grads=False, poison_keys=None):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, _ = p.tensors(dtype=dtype, device="cuda", generator=gen, requires_grad=grads)
+    if poison_keys is not None:
+        with torch.no_grad():
+            k.view(p.batch, -1, p.heads_kv, p.dim)[:, poison_keys] = float("nan")
+    out, lse = ops.neighborhood_attention(len(p.spatial), q, k, v, **p.kwargs(), return_lse=True, backend="fused")
+    plans = list(launch._FORWARD.values())
+    assert plans and all(plan.hopper is not None for plan in plans), "the call did not take the Hopper kernel"
+    return (q, k, v), out, lse
+
+
+def _rel_err(got, ref):
+    got, ref = got.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(got).all(), "non-finite values (unwritten output?)"
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", hopper.HEAD_DIMS)
+@gpu
+def test_gpu_forward_matches_oracle(poisoned, name, dtype, dim):
+    p = _problem(name, dim)
+    (q, k, v), out, lse = _attend(p, dtype, seed=len(name) + dim)
+    ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial,
+                                        p.kernel_size, p.stride, p.dilation, p.causal)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert _rel_err(out, ref_out) < TOL[dtype]
+    assert _rel_err(lse, ref_lse) < TOL[dtype]
+
+
+@gpu
+def test_gpu_backward_from_the_hopper_forward(poisoned):
+    """The portable backward reads the Hopper forward's output and lse."""
+    p = _problem("2d", 64)
+    (q, k, v), out, lse = _attend(p, torch.bfloat16, seed=3, grads=True)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    d_out = torch.randn(out.shape, dtype=out.dtype, device="cuda", generator=gen)
+    got = torch.autograd.grad((out.float() * d_out.float()).sum(), (q, k, v))
+    ref_in = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
+    ref_out, _ = oracle_attention(*ref_in, p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)
+    ref = torch.autograd.grad((ref_out * d_out.double().cpu()).sum(), ref_in)
+    for name, g, r in zip("qkv", got, ref):
+        assert _rel_err(g, r) < 4 * TOL[torch.bfloat16], f"d{name}"
+
+
+@gpu
+def test_gpu_nonfinite_keys_stay_in_their_windows(poisoned):
+    """A NaN key reaches exactly the queries whose windows hold it: the flagged programs' rows are recomputed one
+    window offset at a time, every other row is finite and matches the oracle."""
+    p = _problem("1d", 64)
+    bad = 1500
+    (q, k, v), out, lse = _attend(p, torch.bfloat16, seed=5, poison_keys=[bad])
+    q64, k64, v64 = (t.detach().double().cpu() for t in (q, k, v))
+    ref_out, _ = oracle_attention(q64, k64, v64, p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)
+    got = out.double().cpu()
+    expect_nan = torch.isnan(ref_out).any(-1)  # [B, N, H]: the queries whose window holds the bad key
+    assert expect_nan.any() and not expect_nan.all()
+    assert torch.equal(torch.isnan(got).any(-1), expect_nan)
+    keep = ~expect_nan
+    assert (got[keep] - ref_out[keep]).abs().max() / ref_out[keep].abs().max() < TOL[torch.bfloat16]
