@@ -10,8 +10,7 @@ warpgroup and its softmax waits for its own matmuls.
 The window rules stay on the host: per axis, each position's window ``[start, stop)`` (``STARTS``) and each query
 tile's key span and the part of it inside every row's window (``SPANS``: ``lo, hi, in_lo, in_hi``), both from
 ``ops.window``; the kernel reads them from two small tables.  Key tiles inside every row's window skip the mask.
-The query box reaches shared memory as one [64, D] box per consumer, so the host first copies Q in tile order
-(``tile_major``), one read and one write of Q.
+The query box reaches shared memory as two boxes of 64 rows, one per consumer (``half_box``), read straight from Q.
 
 A program whose result holds a NaN or an infinity flags its rows; ``na_fwd_nonfinite_kernel`` (Triton) then
 recomputes the flagged programs one window offset at a time (``kernels._attend_by_offset``), which keeps non-finite
@@ -41,20 +40,23 @@ try:  # Gluon (Triton's explicit-layout dialect) exists from Triton 3.5 on
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 except ImportError:  # pragma: no cover - older Triton: the portable kernel runs everything
     gluon = None
 
-ENABLED = os.environ.get("NAMODELS_HOPPER", "0") == "1"
+ENABLED = os.environ.get("NAMODELS_HOPPER", "1") != "0"
 ROWS = 128  # query rows per program: two consumer warpgroups of 64
-HALF = 64
 COLS = 128  # keys per stage
 HEAD_DIMS = (64, 128)
 MIN_WINDOW = 1024
+RANKS = (2, 3)  # 1-D problems ran as fast on the portable kernel (docs/fused.md)
 STAGES = 2  # K/V stages in shared memory (64 KB each at head dim 128)
 CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg); the producer runs on 24
 PRODUCER_REGS = 24
+# how a consumer orders its matmuls: 0 waits for each; 2 (FlashAttention-3's order) runs the next box's scores
+# during this box's softmax
+PIPELINE = gl.constexpr(int(os.environ.get("NAMODELS_HOPPER_PIPELINE", "2"))) if gluon is not None else 2
 
 
 @contextlib.contextmanager
@@ -75,22 +77,26 @@ if gluon is not None:
     # offsets inside the query box come from a table (``ROW_OFFSETS``), and the two switches are runtime flags.
 
     @gluon.jit
-    def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, b, col, lo0, lo1, lo2, n12, n2, n_tiles):
-        """Producer: the program's key boxes in loop order, each K and V box into the next free stage."""
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, col, lo0, lo1, lo2, n12, n2,
+                 n_tiles):
+        """Producer: the program's key boxes in loop order, each K and V box into the next free stage (K and V
+        stages are freed separately: a consumer is done with a K box long before it is done with its V box)."""
         stages: gl.constexpr = k_smem.type.shape[0]
         for t in range(n_tiles):
             stage = t % stages
             # a fresh barrier reads as having completed the phase before its first, so the first lap passes
-            mbarrier.wait(empty.index(stage), ((t // stages) & 1) ^ 1)
+            lap = ((t // stages) & 1) ^ 1
             i0 = t // n12
             i1 = (t - i0 * n12) // n2
             i2 = t - i0 * n12 - i1 * n2
-            bar = ready.index(stage)
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             coord = [b, lo0 + i0 * k_smem.type.shape[2], lo1 + i1 * k_smem.type.shape[3],
                      lo2 + i2 * k_smem.type.shape[4], col]
-            tma.async_copy_global_to_shared(k_desc, coord, bar, k_smem.index(stage))
-            tma.async_copy_global_to_shared(v_desc, coord, bar, v_smem.index(stage))
+            mbarrier.wait(k_empty.index(stage), lap)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, coord, k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), lap)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, coord, v_ready.index(stage), v_smem.index(stage))
 
     @gluon.jit
     def _axis_rows(STARTS, ROW_OFFSETS, axis, first, r, L, LMAX):
@@ -101,7 +107,57 @@ if gluon is not None:
         return q < L, qc, gl.load(base), gl.load(base + 1)
 
     @gluon.jit
-    def _consume(q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
+    def _scores(q, k_smem, stage, h_rows: gl.constexpr, cols: gl.constexpr, block_d: gl.constexpr,
+                s_layout: gl.constexpr):
+        """Issues ``q @ K[stage]^T`` on the tensor cores (asynchronous: the caller waits)."""
+        k_tile = k_smem.index(stage).reshape([cols, block_d])
+        return warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([h_rows, cols], gl.float32, layout=s_layout),
+                             use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1,
+                  stop1, start2, stop2, c0, c1, c2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
+        """The scores of loop step ``t`` with -inf outside each row's window, unless its key box lies inside every
+        row's window."""
+        i0 = t // n12
+        i1 = (t - i0 * n12) // n2
+        k0 = lo0 + i0 * U0
+        k1 = lo1 + i1 * U1
+        k2 = lo2 + (t - i0 * n12 - i1 * n2) * U2
+        full = ((k0 >= in_lo0) & (k0 + U0 <= in_hi0) & (k1 >= in_lo1) & (k1 + U1 <= in_hi1)
+                & (k2 >= in_lo2) & (k2 + U2 <= in_hi2))
+        if not full:
+            kj0 = k0 + c0
+            kj1 = k1 + c1
+            kj2 = k2 + c2
+            keep = ((kj0[None, :] >= start0[:, None]) & (kj0[None, :] < stop0[:, None])
+                    & (kj1[None, :] >= start1[:, None]) & (kj1[None, :] < stop1[:, None])
+                    & (kj2[None, :] >= start2[:, None]) & (kj2[None, :] < stop2[:, None]))
+            s = gl.where(keep, s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale):
+        """Online softmax of one box of scores: ``(p, alpha, m, l)``.  With a positive scale the max of the raw
+        scores is the max of the scaled ones, so the scale rides exp2's FMA."""
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing admitted yet
+        p = gl.exp2(s * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _values(acc, alpha, p, v_smem, v_ready, t, o_rows: gl.constexpr, p_layout: gl.constexpr,
+                cols: gl.constexpr, block_d: gl.constexpr):
+        """Rescales the output rows and issues ``acc += p @ V[t]`` once the V box is in (asynchronous)."""
+        stages: gl.constexpr = v_smem.type.shape[0]
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        mbarrier.wait(v_ready.index(t % stages), (t // stages) & 1)
+        return warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout),
+                             v_smem.index(t % stages).reshape([cols, block_d]), acc, is_async=True)
+
+    @gluon.jit
+    def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
                  b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
                  n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, half):
         """Consumer: 64 query rows against every stage the producer fills, then their output, lse and flags."""
@@ -110,7 +166,7 @@ if gluon is not None:
         U1: gl.constexpr = k_smem.type.shape[3]
         U2: gl.constexpr = k_smem.type.shape[4]
         block_d: gl.constexpr = k_smem.type.shape[5]
-        h_rows: gl.constexpr = q_smem.type.shape[1]
+        h_rows: gl.constexpr = q_smem.type.shape[2] * q_smem.type.shape[3] * q_smem.type.shape[4]
         cols: gl.constexpr = U0 * U1 * U2
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
@@ -131,43 +187,53 @@ if gluon is not None:
         m_i = gl.full([h_rows], float("-inf"), gl.float32, layout=s_rows)
         l_i = gl.zeros([h_rows], gl.float32, layout=s_rows)
         acc = gl.zeros([h_rows, block_d], gl.float32, layout=o_layout)
-        q = q_smem.index(half)
+        q = q_smem.index(half).reshape([h_rows, block_d])
         mbarrier.wait(q_bar, 0)
-        for t in range(n_tiles):
-            stage = t % stages
-            i0 = t // n12
-            i1 = (t - i0 * n12) // n2
-            k0 = lo0 + i0 * U0
-            k1 = lo1 + i1 * U1
-            k2 = lo2 + (t - i0 * n12 - i1 * n2) * U2
-            mbarrier.wait(ready.index(stage), (t // stages) & 1)
-            k_tile = k_smem.index(stage).reshape([cols, block_d])
-            s = warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([h_rows, cols], gl.float32, layout=s_layout),
-                              use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q, k_smem, 0, h_rows, cols, block_d, s_layout),))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if PIPELINE == 2:
+            # FlashAttention-3's order: the next box's scores run on the tensor cores during this box's softmax, and
+            # this box's values during the next box's mask and softmax; the last box runs after the loop
+            acc = warpgroup_mma_init(acc)
+            for t in range(n_tiles - 1):
+                mbarrier.wait(k_ready.index((t + 1) % stages), ((t + 1) // stages) & 1)
+                s_next = _scores(q, k_smem, (t + 1) % stages, h_rows, cols, block_d, s_layout)
+                if mask:
+                    s = _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                                  start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the previous box's values are in
+                if t > 0:
+                    mbarrier.arrive(v_empty.index((t + stages - 1) % stages), count=1)
+                acc = _values(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout, cols, block_d)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+                mbarrier.arrive(k_empty.index((t + 1) % stages), count=1)
+            last = n_tiles - 1
             if mask:
-                full = ((k0 >= in_lo0) & (k0 + U0 <= in_hi0) & (k1 >= in_lo1) & (k1 + U1 <= in_hi1)
-                        & (k2 >= in_lo2) & (k2 + U2 <= in_hi2))
-                if not full:
-                    kj0 = k0 + c0
-                    kj1 = k1 + c1
-                    kj2 = k2 + c2
-                    keep = ((kj0[None, :] >= start0[:, None]) & (kj0[None, :] < stop0[:, None])
-                            & (kj1[None, :] >= start1[:, None]) & (kj1[None, :] < stop1[:, None])
-                            & (kj2[None, :] >= start2[:, None]) & (kj2[None, :] < stop2[:, None]))
-                    s = gl.where(keep, s, float("-inf"))
-            # positive scale: the max of the raw scores is the max of the scaled ones; the scale rides exp2's FMA
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing admitted yet
-            p = gl.exp2(s * qk_scale - m_use[:, None])
-            alpha = gl.exp2(m_i - m_use)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = v_smem.index(stage).reshape([cols, block_d])
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+                s = _mask_box(s, last, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                              start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(stage), count=1)
+            if last > 0:
+                mbarrier.arrive(v_empty.index((last + stages - 1) % stages), count=1)
+            acc = _values(acc, alpha, p, v_smem, v_ready, last, o_rows, p_layout, cols, block_d)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(last % stages), count=1)
+        else:  # every matmul waited for where it is issued
+            for t in range(n_tiles):
+                if mask:
+                    s = _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                                  start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+                acc = _values(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout, cols, block_d)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(v_empty.index(t % stages), count=1)
+                if t + 1 < n_tiles:
+                    mbarrier.wait(k_ready.index((t + 1) % stages), ((t + 1) // stages) & 1)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(
+                        _scores(q, k_smem, (t + 1) % stages, h_rows, cols, block_d, s_layout),))
+                    mbarrier.arrive(k_empty.index((t + 1) % stages), count=1)
 
         l_i = gl.where(l_i > 0.0, l_i, 1.0)  # rows past an axis' end (zero queries) are never stored
         out = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
@@ -185,29 +251,30 @@ if gluon is not None:
                  mask=ok_o[:, None])
 
     @gluon.jit
-    def _consume_first(q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
+    def _consume_first(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
                        b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2,
                        in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask):
-        _consume(q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
+        _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
                  first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
                  n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, 0)
 
     @gluon.jit
-    def _consume_second(q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
+    def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
                         b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2,
                         in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse,
                         mask):
-        _consume(q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
+        _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
                  first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
                  n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, 1)
 
     @gluon.jit
     def na_fwd_hopper_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS,
                              sob, sot, soh, slb, slt, HQ, GROUP, qk_scale, L0, L1, L2, NT0, NT1, NT2, LMAX, NTMAX,
-                             store_lse, mask, STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+                             half0, half1, half2, store_lse, mask, STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                              PRODUCER_REGS_: gl.constexpr):
-        # q_desc: Q in tile order ([B * H * programs * 128, D], ``tile_major``) in [64, D] boxes; k_desc / v_desc:
-        # K and V as [B, L0, L1, L2, heads * D] in (1, U0, U1, U2, D) boxes.  STARTS[axis, position] = (start,
+        # q_desc / k_desc / v_desc: Q, K and V as [B, L0, L1, L2, heads * D]; Q in boxes of half a query tile (the
+        # leading axis longer than 1 halved: the first 64 rows in row-major order; ``half*``: the second half's offset
+        # per axis), K and V in (1, U0, U1, U2, D) boxes.  STARTS[axis, position] = (start,
         # stop) of the position's window; SPANS[axis, tile] = (lo, hi, in_lo, in_hi, first query, -, -, -) of a query
         # tile; ROW_OFFSETS[axis, row] = the row's offset from the tile's first query.  FLAGS[program, row] = 1 where
         # the row's result holds a NaN / inf.  ``store_lse`` / ``mask``: runtime switches (see the partitions).
@@ -236,28 +303,35 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES_] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES_] + v_desc.block_type.shape, v_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES_):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # both consumers hand a stage back
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers hand a stage back
+            mbarrier.init(v_empty.index(i), count=2)
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
-        H_ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        first0 = gl.load(span0 + 4)
+        first1 = gl.load(span1 + 4)
+        first2 = gl.load(span2 + 4)
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [program * 2 * H_ROWS, 0], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [program * 2 * H_ROWS + H_ROWS, 0], q_bar, q_smem.index(1))
+        tma.async_copy_global_to_shared(q_desc, [b, first0, first1, first2, h * BLOCK_D], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [b, first0 + half0, first1 + half1, first2 + half2, h * BLOCK_D],
+                                        q_bar, q_smem.index(1))
 
-        args = (q_smem, k_smem, v_smem, ready, empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
-                gl.load(span0 + 4), gl.load(span1 + 4), gl.load(span2 + 4), lo0, lo1, lo2, in_lo0, in_hi0, in_lo1,
+        args = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
+                first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1,
                 in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX,
                 store_lse, mask)
         gl.warp_specialize([
             (_consume_first, args),
             (_consume_second, args),
-            (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready, empty, b, (h // GROUP) * BLOCK_D, lo0, lo1, lo2, n12,
+            (_load_kv, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, (h // GROUP) * BLOCK_D, lo0, lo1, lo2, n12,
                         n2, n_tiles)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
@@ -304,6 +378,7 @@ class HopperForward:
     meta: dict
     fixup_scalars: tuple
     fixup_meta: dict
+    q_layout: tuple  # (shape, strides, box) of Q's descriptor, one box per consumer (``half_box``)
     kv_layouts: tuple
 
     @property
@@ -335,12 +410,15 @@ def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float) -> str | None:
         return "needs a positive scale"
     if any(d != 1 for d in params.dilation):
         return "no dilation"
+    if params.rank not in RANKS:
+        return f"{params.rank}-D problems run as fast on the portable kernel"
     if params.window_size < MIN_WINDOW:
         return f"windows under {MIN_WINDOW} keys run faster on the portable kernel's smaller tiles"
     if params.num_tokens < ROWS:
         return "fewer tokens than one query tile"
-    if not launch.host_descriptors_ok(params, k4, v4, q4.shape[0], q4.shape[-2]):
-        return "K/V layout does not allow host-built descriptors"
+    if not (launch.host_descriptors_ok(params, k4, v4, q4.shape[0], q4.shape[-2])
+            and launch.host_descriptors_ok(params, q4, q4, q4.shape[0], q4.shape[-2])):
+        return "Q/K/V layout does not allow host-built descriptors"
     if launch.needs_int64(q4, k4, v4):
         return "offsets past 2**31 elements"
     return None
@@ -385,8 +463,9 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperFo
     lse_strides = (n * hq, hq) if need_lse else (0, 0)
     out_strides = (n * hq * d, hq * d, d)
     qk_scale = scale * kernels.LOG2E
+    box, offset = half_box(q_tile)
     scalars = (*out_strides, *lse_strides, hq, hq // hkv, qk_scale, *L, *nt, starts.shape[1], spans.shape[1],
-               int(need_lse), int(masked))
+               *offset, int(need_lse), int(masked))
     meta = dict(STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *out_strides, *lse_strides,
                      hq, hq // hkv, d, qk_scale, *L, *K, *S, *nt)
@@ -394,23 +473,16 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperFo
                       T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], BLOCK_D=d, IDX64=False, STORE_LSE=need_lse,
                       SUB=launch.gather_rows(d, d), num_warps=4, num_stages=1)
     return HopperForward(q_tile, kv_tile, nt, L, (programs, b * hq), masked, starts, spans, row_offsets, scalars,
-                         meta, fixup_scalars, fixup_meta, launch.host_kv_layouts(params, k4, v4, kv_tile))
+                         meta, fixup_scalars, fixup_meta, launch.host_kv_layouts(params, q4, q4, box)[0],
+                         launch.host_kv_layouts(params, k4, v4, kv_tile))
 
 
-def tile_major(q4: torch.Tensor, fw: HopperForward) -> torch.Tensor:
-    """``[B, N, H, D]`` -> ``[B * H * tiles * ROWS, D]``: each program's query tile as consecutive rows, rows past
-    the end of an axis zero (a program's result is computed from them, never stored)."""
-    b, _, h, d = q4.shape
-    (t0, t1, t2), (n0, n1, n2), (l0, l1, l2) = fw.q_tile, fw.tiles_per_axis, fw.spatial
-    out = torch.empty((b, h, n0, n1, n2, t0, t1, t2, d), dtype=q4.dtype, device=q4.device)
-    q5 = q4.reshape(b, l0, l1, l2, h, d)
-    if (n0 * t0, n1 * t1, n2 * t2) != (l0, l1, l2):  # a partial tile on some axis: zero rows past its end
-        padded = q5.new_zeros((b, n0 * t0, n1 * t1, n2 * t2, h, d))
-        padded[:, :l0, :l1, :l2] = q5
-        q5 = padded
-    # out seen as [B, n0, t0, n1, t1, n2, t2, H, D]: the tokens' order
-    out.permute(0, 2, 5, 3, 6, 4, 7, 1, 8).copy_(q5.reshape(b, n0, t0, n1, t1, n2, t2, h, d))
-    return out.view(-1, d)
+def half_box(q_tile) -> tuple[tuple, tuple]:
+    """``(box, offset)``: the query box of one consumer (the leading axis longer than 1 halved, so it holds the
+    first 64 of the tile's rows in row-major order) and the second half's offset from the first."""
+    axis = next(a for a, t in enumerate(q_tile) if t > 1)
+    box = tuple(t // 2 if a == axis else t for a, t in enumerate(q_tile))
+    return box, tuple(box[a] if a == axis else 0 for a in range(3))
 
 
 def _descriptor(t: torch.Tensor, shape, strides, block) -> "GluonDescriptor":
@@ -422,8 +494,7 @@ def _descriptor(t: torch.Tensor, shape, strides, block) -> "GluonDescriptor":
 def run(fw: HopperForward, q4, k4, v4, out4, lse) -> None:
     """``out4`` (``[B, N, H, D]``) and ``lse`` (``[B, N, H]`` float32, or None) for the problem of ``fw``."""
     d = q4.shape[-1]
-    q_rows = tile_major(q4, fw)
-    q_desc = _descriptor(q_rows, q_rows.shape, (d, 1), (HALF, d))
+    q_desc = _descriptor(q4, *fw.q_layout)
     k_desc = _descriptor(k4, *fw.kv_layouts[0])
     v_desc = _descriptor(v4, *fw.kv_layouts[1])
     flags = torch.empty(fw.programs * ROWS, dtype=torch.int8, device=q4.device)
