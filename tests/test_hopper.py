@@ -141,9 +141,11 @@ def _rel_err(got, ref):
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dim", hopper.HEAD_DIMS)
+# every problem once, each dtype and head dim on masked and mask-free launches
+@pytest.mark.parametrize("name, dtype, dim", [
+    ("2d", torch.bfloat16, 128), ("2d-causal-gqa", torch.float16, 64), ("2d-strided", torch.bfloat16, 64),
+    ("2d-strided", torch.float16, 128), ("3d-causal", torch.bfloat16, 128), ("3d-causal", torch.float16, 64),
+    ("3d-strided-padded", torch.bfloat16, 64)])
 @gpu
 def test_gpu_forward_matches_oracle(poisoned, name, dtype, dim):
     p = _problem(name, dim)

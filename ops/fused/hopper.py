@@ -40,7 +40,7 @@ try:  # Gluon (Triton's explicit-layout dialect) exists from Triton 3.5 on
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 except ImportError:  # pragma: no cover - older Triton: the portable kernel runs everything
     gluon = None
@@ -54,9 +54,6 @@ RANKS = (2, 3)  # 1-D problems ran as fast on the portable kernel (docs/fused.md
 STAGES = 2  # K/V stages in shared memory (64 KB each at head dim 128)
 CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg); the producer runs on 24
 PRODUCER_REGS = 24
-# how a consumer orders its matmuls: 0 waits for each; 2 (FlashAttention-3's order) runs the next box's scores
-# during this box's softmax
-PIPELINE = gl.constexpr(int(os.environ.get("NAMODELS_HOPPER_PIPELINE", "2"))) if gluon is not None else 2
 
 
 @contextlib.contextmanager
@@ -192,48 +189,19 @@ if gluon is not None:
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q, k_smem, 0, h_rows, cols, block_d, s_layout),))
         mbarrier.arrive(k_empty.index(0), count=1)
-        if PIPELINE == 2:
-            # FlashAttention-3's order: the next box's scores run on the tensor cores during this box's softmax, and
-            # this box's values during the next box's mask and softmax; the last box runs after the loop
-            acc = warpgroup_mma_init(acc)
-            for t in range(n_tiles - 1):
-                mbarrier.wait(k_ready.index((t + 1) % stages), ((t + 1) // stages) & 1)
-                s_next = _scores(q, k_smem, (t + 1) % stages, h_rows, cols, block_d, s_layout)
-                if mask:
-                    s = _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                                  start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the previous box's values are in
-                if t > 0:
-                    mbarrier.arrive(v_empty.index((t + stages - 1) % stages), count=1)
-                acc = _values(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout, cols, block_d)
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
-                mbarrier.arrive(k_empty.index((t + 1) % stages), count=1)
-            last = n_tiles - 1
+        for t in range(n_tiles):
             if mask:
-                s = _mask_box(s, last, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                s = _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
                               start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            acc = _values(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout, cols, block_d)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if last > 0:
-                mbarrier.arrive(v_empty.index((last + stages - 1) % stages), count=1)
-            acc = _values(acc, alpha, p, v_smem, v_ready, last, o_rows, p_layout, cols, block_d)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(last % stages), count=1)
-        else:  # every matmul waited for where it is issued
-            for t in range(n_tiles):
-                if mask:
-                    s = _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                                  start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-                acc = _values(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout, cols, block_d)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(t % stages), count=1)
-                if t + 1 < n_tiles:
-                    mbarrier.wait(k_ready.index((t + 1) % stages), ((t + 1) // stages) & 1)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(
-                        _scores(q, k_smem, (t + 1) % stages, h_rows, cols, block_d, s_layout),))
-                    mbarrier.arrive(k_empty.index((t + 1) % stages), count=1)
+            mbarrier.arrive(v_empty.index(t % stages), count=1)
+            if t + 1 < n_tiles:
+                mbarrier.wait(k_ready.index((t + 1) % stages), ((t + 1) // stages) & 1)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(
+                    _scores(q, k_smem, (t + 1) % stages, h_rows, cols, block_d, s_layout),))
+                mbarrier.arrive(k_empty.index((t + 1) % stages), count=1)
 
         l_i = gl.where(l_i > 0.0, l_i, 1.0)  # rows past an axis' end (zero queries) are never stored
         out = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
