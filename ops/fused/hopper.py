@@ -1,24 +1,26 @@
 """The forward on Hopper (sm_90): a warp-specialised Gluon kernel for large windows.
 
 One program owns a 128-row query box and three roles run side by side in it: a one-warp producer issues the
-K/V bulk copies (TMA, N-D boxes) into a ring of shared-memory stages; two consumer warpgroups each own 64 of the
-box's rows and run the score matmul, the online softmax and the value matmul (wgmma) on every stage, then hand
-the stage back.  Stages pass between the roles through mbarriers, so copies, matmuls and one consumer's softmax
-overlap the other consumer's work, where the portable kernel (``kernels.na_fwd_kernel``) runs all of it in one
-warpgroup and its softmax waits for its own matmuls.
+K and V bulk copies (TMA, N-D boxes) into two rings of shared-memory stages; two consumer warpgroups each own 64
+of the box's rows and run the score matmul, the online softmax and the value matmul (wgmma) on every key box, then
+hand its K and V stages back (each as soon as its matmul is done).  Stages pass between the roles through
+mbarriers, so the copies, the matmuls and one consumer's softmax overlap the other consumer's work, where the
+portable kernel (``kernels.na_fwd_kernel``) runs all of it in one warpgroup and its softmax waits for its own
+matmuls.
 
-The window rules stay on the host: per axis, each position's window ``[start, stop)`` (``STARTS``) and each query
-tile's key span and the part of it inside every row's window (``SPANS``: ``lo, hi, in_lo, in_hi``), both from
-``ops.window``; the kernel reads them from two small tables.  Key tiles inside every row's window skip the mask.
+The window rules stay on the host (``window_tables``, from ``ops.window``): per axis, each position's window
+``[start, stop)``; each query tile's key span ``[lo, hi)``, the part ``[in_lo, in_hi)`` inside every row's window
+and its first query; and each row's offset inside the tile.  Key boxes inside every row's window skip the mask,
+and a launch where the host finds every box of every program inside (the strided problems) has no mask at all.
 The query box reaches shared memory as two boxes of 64 rows, one per consumer (``half_box``), read straight from Q.
 
 A program whose result holds a NaN or an infinity flags its rows; ``na_fwd_nonfinite_kernel`` (Triton) then
 recomputes the flagged programs one window offset at a time (``kernels._attend_by_offset``), which keeps non-finite
 values inside the windows that hold them, as the portable kernel does.
 
-It runs where it is built for: 16-bit inputs, head dim 64 or 128 (= value dim), no RPB, positive scale, no
-dilation, heads packed per token, and windows of at least ``MIN_WINDOW`` keys (small windows waste most of a
-128 x 128 tile).  Everything else, and any GPU but sm_90, takes the portable kernel; ``NAMODELS_HOPPER=0`` (or
+It runs where it is built for and measured faster: 2-D and 3-D problems, 16-bit inputs, head dim 64 or 128 (= value
+dim), no RPB, positive scale, no dilation, heads packed per token, and windows of at least ``MIN_WINDOW`` keys
+(small windows waste most of a 128 x 128 tile).  Everything else, and any GPU but sm_90, takes the portable kernel; ``NAMODELS_HOPPER=0`` (or
 ``disabled()``) forces it.
 """
 from __future__ import annotations
@@ -50,7 +52,7 @@ ROWS = 128  # query rows per program: two consumer warpgroups of 64
 COLS = 128  # keys per stage
 HEAD_DIMS = (64, 128)
 MIN_WINDOW = 1024
-RANKS = (2, 3)  # 1-D problems ran as fast on the portable kernel (docs/fused.md)
+RANKS = (2, 3)  # 1-D problems ran slower than on the portable kernel (docs/fused.md)
 STAGES = 2  # K/V stages in shared memory (64 KB each at head dim 128)
 CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg); the producer runs on 24
 PRODUCER_REGS = 24
@@ -379,7 +381,7 @@ def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float) -> str | None:
     if any(d != 1 for d in params.dilation):
         return "no dilation"
     if params.rank not in RANKS:
-        return f"{params.rank}-D problems run as fast on the portable kernel"
+        return f"{params.rank}-D problems run faster on the portable kernel"
     if params.window_size < MIN_WINDOW:
         return f"windows under {MIN_WINDOW} keys run faster on the portable kernel's smaller tiles"
     if params.num_tokens < ROWS:
