@@ -133,15 +133,20 @@ class Row:
 
 
 def time_alternating(fns: dict, rounds: int, bench) -> tuple[dict, dict]:
-    """``({name: [ms per round]}, {name: error})``: every function timed once per round, in the same order each
-    round; one that raises is reported and left out of the later rounds.
+    """``({name: [ms per round]}, {name: error})``: every function timed once per round, each round starting one
+    function later than the one before (round r runs them from the r-th on, wrapping); one that raises is reported
+    and left out of the later rounds.
 
     SDPA's own time moves by several percent between processes on one GPU, so a baseline timed once, before
     the backends, carries the clock's drift into every speedup and E; alternating rounds spread it over all of them
-    and the medians over the rounds drop the outliers."""
+    and the medians over the rounds drop the outliers.  The place in a round matters too: two backends running the
+    same kernel, timed second and third after SDPA's long dense run, differed by 7-13% (H100, 1-D problems) in
+    favour of the one timed right after SDPA, every round; rotating the order gives every function every place."""
     times, errors = {name: [] for name in fns}, {}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
             if name in errors:
                 continue
             try:

@@ -31,7 +31,7 @@ def _params(spatial, kernel, stride=None, causal=None):
 def _plan(spatial, kernel, stride=None, heads=2, dim=128, batch=1):
     params = _params(spatial, kernel, stride)
     q4 = torch.zeros(batch, params.num_tokens, heads, dim, dtype=torch.bfloat16)
-    return hopper.plan(q4, q4, q4, params, dim**-0.5, True)
+    return hopper.plan(q4, q4, q4, params, dim**-0.5, True, masked_too=True)
 
 
 def test_mask_only_where_some_tile_is_partial():
@@ -39,6 +39,9 @@ def test_mask_only_where_some_tile_is_partial():
     # exactly; the unstrided problem has tiles partly outside some query's window
     assert not _plan((256, 256), (80, 80), (16, 16)).masked
     assert _plan((256, 256), (80, 80)).masked
+    params = _params((256, 256), (80, 80))
+    q4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
+    assert not hopper.MASKED and hopper.plan(q4, q4, q4, params, 0.1, True) is None  # left to the portable kernel
     fw = _plan((30, 48, 80), (18, 24, 24))
     assert fw.masked and len(fw.q_tile) == 3 and len(fw.kv_tile) == 3
     assert fw.q_tile[0] * fw.q_tile[1] * fw.q_tile[2] == hopper.ROWS
@@ -96,7 +99,9 @@ def gpu(test):
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """Every buffer the kernels write starts as NaN; plans start empty and end empty."""
+    """Every buffer the kernels write starts as NaN; plans start empty and end empty; masked launches take the
+    Hopper kernel too (the planner leaves them to the portable one by default)."""
+    monkeypatch.setattr(hopper, "MASKED", True)
     monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
                                                                                      device=device))
     launch._FORWARD.clear()

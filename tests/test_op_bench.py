@@ -6,8 +6,9 @@ from ops import bench
 
 
 def test_time_alternating_interleaves_rounds_and_reports_failures():
-    """Each round times every function once in the same order (so clock drift spreads over all of them); one that
-    raises is reported once and left out of the later rounds."""
+    """Each round times every function once, starting one function later than the round before (so clock drift
+    and the place in a round spread over all of them); one that raises is reported once and left out of the later
+    rounds."""
     order = []
 
     def timed(name, ms):
@@ -20,7 +21,7 @@ def test_time_alternating_interleaves_rounds_and_reports_failures():
 
     fns = {"sdpa": timed("sdpa", 4.0), "fused": timed("fused", 0.5), "broken": timed("broken", 1.0)}
     times, errors = bench.time_alternating(fns, 3, lambda fn: fn())
-    assert order == ["sdpa", "fused", "broken", "sdpa", "fused", "broken", "sdpa", "fused"]
+    assert order == ["sdpa", "fused", "broken", "fused", "broken", "sdpa", "sdpa", "fused"]
     assert times == {"sdpa": [4.0] * 3, "fused": [0.5] * 3, "broken": [1.0]}
     assert list(errors) == ["broken"] and "out of memory" in str(errors["broken"])
 
@@ -78,12 +79,13 @@ def test_run_problem_on_the_cpu_with_alternating_rounds(monkeypatch, backward):
     rows = bench.run_problem(p, ["naive", "gemm", "nonexistent"], backward, torch.float32, ceilings, args,
                              lambda msg: None)
     by = {row.backend: row for row in rows}
-    # rounds of (sdpa, naive, gemm): clock values 1..9, so the medians are the middle round's
-    assert by["sdpa"].ms == 4.0 and by["naive"].ms == 5.0 and by["gemm"].ms == 6.0
-    assert by["gemm"].extra["round_ms"] == [3.0, 6.0, 9.0] and len(timed) == 9
-    assert by["gemm"].speedup_vs_sdpa == pytest.approx(4.0 / 6.0)
+    # clock values 1..9 over the rounds (sdpa, naive, gemm), (naive, gemm, sdpa), (gemm, sdpa, naive)
+    assert by["sdpa"].extra["round_ms"] == [1.0, 6.0, 8.0] and by["naive"].extra["round_ms"] == [2.0, 4.0, 9.0]
+    assert by["gemm"].extra["round_ms"] == [3.0, 5.0, 7.0] and len(timed) == 9
+    assert by["sdpa"].ms == 6.0 and by["naive"].ms == 4.0 and by["gemm"].ms == 5.0
+    assert by["gemm"].speedup_vs_sdpa == pytest.approx(6.0 / 5.0)
     w, n = 9, 36
-    assert by["gemm"].efficiency == pytest.approx(4.0 / 6.0 * w / n)
+    assert by["gemm"].efficiency == pytest.approx(6.0 / 5.0 * w / n)
     assert by["nonexistent"].ms is None and by["nonexistent"].note.startswith("failed")
 
 

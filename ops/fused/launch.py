@@ -406,7 +406,7 @@ def _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors):
     # k / v alignment decides whether their tiles can be bulk copies (tma_eligible)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], q.dtype, q.device,
             _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse, BIAS_TILES, autotune.state(),
-            autotune.dot_precision(q.dtype), host_descriptors, hopper.ENABLED)
+            autotune.dot_precision(q.dtype), host_descriptors, hopper.ENABLED, hopper.MASKED)
 
 
 def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True, host_descriptors: bool = True):
@@ -507,10 +507,12 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
     has_rpb = rpb is not None
     tma_ok = tma_eligible(k4, v4)
     host_desc = host_descriptors and tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
-    if hopper.unsupported(q4, k4, v4, rpb, params, scale) is None:
+    on_hopper = hopper.plan(q4, k4, v4, params, scale, need_lse) if hopper.unsupported(
+        q4, k4, v4, rpb, params, scale) is None else None
+    if on_hopper is not None:
         return ForwardPlan((), n, (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
                            as_tokens=not _same_memory(((q4, q), (k4, k), (v4, v))), rpb_direct=False,
-                           hopper=hopper.plan(q4, k4, v4, params, scale, need_lse))
+                           hopper=on_hopper)
     precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
     idx64 = needs_int64(q4, k4, v4, out4)
     bias_tiles = BIAS_TILES and has_rpb and scale > 0
