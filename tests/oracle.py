@@ -5,6 +5,7 @@ in the shared window module cannot hide behind an oracle that shares it.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -29,7 +30,15 @@ def _axis_keys(i: int, L: int, K: int, s: int, d: int, causal: bool):
 
 
 def dense_mask_and_bias_index(spatial, kernel_size, stride, dilation, causal):
-    """Boolean mask [N, N] (query, key) and, per admitted pair, the per-axis RPB index tuple."""
+    """Boolean mask [N, N] (query, key) and, per admitted pair, the per-axis RPB index tuple (shared between calls
+    with the same rules: callers only read them)."""
+    return _dense_mask_and_bias_index(tuple(int(x) for x in spatial), tuple(int(x) for x in kernel_size),
+                                      tuple(int(x) for x in stride), tuple(int(x) for x in dilation),
+                                      tuple(bool(c) for c in causal))
+
+
+@functools.lru_cache(maxsize=8)  # large-window problems take seconds to build
+def _dense_mask_and_bias_index(spatial, kernel_size, stride, dilation, causal):
     per_axis = [
         [_axis_keys(i, L, K, s, d, c) for i in range(L)]
         for L, K, s, d, c in zip(spatial, kernel_size, stride, dilation, causal)

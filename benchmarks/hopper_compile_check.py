@@ -1,0 +1,73 @@
+"""Compile the Hopper forward (``ops/fused/hopper.py``, Gluon) for sm_90 without a GPU and report its resources.
+
+    python benchmarks/hopper_compile_check.py
+
+Like ``fused_compile_check.py``: Triton's ahead-of-time path and the ptxas bundled with Triton, so a Gluon error,
+a register spill or a missing ``wgmma`` / ``setmaxnreg`` shows before any device time is spent.  Gluon changes from
+one Triton release to the next: check with the device's Triton version (a separate environment, e.g.
+``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``).
+"""
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from fused_compile_check import ptxas_usage  # noqa: E402
+from ops.fused import hopper  # noqa: E402
+
+# (query tile, key tile, head dim): the tiles ``tiles.choose_tiles`` gives 2-D and 3-D problems
+CASES = [((1, 8, 16), (1, 8, 16), 128), ((2, 8, 8), (2, 8, 8), 128), ((1, 8, 16), (2, 8, 8), 64)]
+POINTERS = {"O": "*bf16", "LSE": "*fp32", "FLAGS": "*i8", "STARTS": "*i32", "SPANS": "*i32", "ROW_OFFSETS": "*i32"}
+
+
+def _descriptor_type(box, dim):
+    from triton.experimental.gluon import language as gl
+
+    block = [1, *box, dim]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+
+
+def compile_case(q_tile, kv_tile, dim):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = hopper.na_fwd_hopper_kernel
+    constexprs = dict(STAGES_=hopper.STAGES, CONSUMER_REGS_=hopper.CONSUMER_REGS, PRODUCER_REGS_=hopper.PRODUCER_REGS)
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name == "q_desc":
+            signature[name] = _descriptor_type(hopper.half_box(q_tile)[0], dim)
+        elif name in ("k_desc", "v_desc"):
+            signature[name] = _descriptor_type(kv_tile, dim)
+        elif name in POINTERS:
+            signature[name] = POINTERS[name]
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    compiled = triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    return ptxas_usage(ptx), "wgmma" in ptx, ptx.count("setmaxnreg")
+
+
+def main():
+    if hopper.gluon is None:
+        sys.exit("this Triton has no Gluon")
+    for q_tile, kv_tile, dim in CASES:
+        try:
+            (regs, spill), wgmma, setmaxnreg = compile_case(q_tile, kv_tile, dim)
+            print(f"q {q_tile} kv {kv_tile} D {dim}: ok  regs={regs} spill_bytes={spill} wgmma={wgmma} "
+                  f"setmaxnreg={setmaxnreg}", flush=True)
+        except Exception as err:  # report every case
+            print(f"q {q_tile} kv {kv_tile} D {dim}: FAIL {type(err).__name__}: {str(err).strip()[-300:]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
