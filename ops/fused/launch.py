@@ -507,7 +507,8 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
     has_rpb = rpb is not None
     tma_ok = tma_eligible(k4, v4)
     host_desc = host_descriptors and tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
-    on_hopper = hopper.plan(q4, k4, v4, params, scale, need_lse) if hopper.unsupported(
+    # the Hopper kernel reads every tile through host-built descriptors, which ``host_descriptors=False`` rules out
+    on_hopper = hopper.plan(q4, k4, v4, params, scale, need_lse) if host_descriptors and hopper.unsupported(
         q4, k4, v4, rpb, params, scale) is None else None
     if on_hopper is not None:
         return ForwardPlan((), n, (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
