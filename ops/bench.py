@@ -6,6 +6,7 @@
     python -m ops.bench --custom "mine:2,8,64,64x64,13x13,1,1,0"   # name:B,H,D,spatial,K,stride,dilation,causal
     python -m ops.bench --out results/op_bench       # writes op_bench.csv and op_bench.json
     python -m ops.bench --rounds 5 --rep 300         # SDPA and the backends timed in 5 alternating rounds
+    python -m ops.bench --backends fused,fused-portable   # the fused backend with and without its Hopper kernel
 
 Per problem and backend: median ms (CUDA events through ``triton.testing.do_bench``; with ``--rounds N`` the median
 of N rounds that time SDPA and every backend in turn, so clock drift between them does not bias E), effective
