@@ -18,10 +18,10 @@ A program whose result holds a NaN or an infinity flags its rows; ``na_fwd_nonfi
 recomputes the flagged programs one window offset at a time (``kernels._attend_by_offset``), which keeps non-finite
 values inside the windows that hold them, as the portable kernel does.
 
-It runs where it is built for and measured faster: 2-D and 3-D launches that mask no key box, 16-bit inputs, head dim 64 or 128 (= value
-dim), no RPB, positive scale, no dilation, heads packed per token, and windows of at least ``MIN_WINDOW`` keys
-(small windows waste most of a 128 x 128 tile).  Everything else, and any GPU but sm_90, takes the portable kernel; ``NAMODELS_HOPPER=0`` (or
-``disabled()``) forces it.
+It runs where it is built for and measured faster: 2-D and 3-D launches that mask no key box, 16-bit inputs, head
+dim 64 or 128 (= value dim), no RPB, positive scale, no dilation, heads packed per token, and windows of at least
+``MIN_WINDOW`` keys (small windows waste most of a 128 x 128 tile).  Everything else, and any GPU but sm_90, takes
+the portable kernel; ``NAMODELS_HOPPER=0`` (or ``disabled()``) forces it.
 """
 from __future__ import annotations
 
@@ -171,8 +171,10 @@ if gluon is not None:
         h_rows: gl.constexpr = q_smem.type.shape[2] * q_smem.type.shape[3] * q_smem.type.shape[4]
         cols: gl.constexpr = U0 * U1 * U2
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_d, 16])
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, cols, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, block_d, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -224,21 +226,24 @@ if gluon is not None:
                  mask=ok_o[:, None])
 
     @gluon.jit
-    def _consume_first(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
-                       b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2,
-                       in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask):
-        _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
-                 first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-                 n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, 0)
+    def _consume_first(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS,
+                       ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1,
+                       in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX,
+                       store_lse, mask):
+        _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS,
+                 ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
+                 in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse,
+                 mask, 0)
 
     @gluon.jit
-    def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
-                        b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2,
-                        in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse,
-                        mask):
-        _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
-                 first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-                 n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, 1)
+    def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS,
+                        ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1,
+                        in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX,
+                        store_lse, mask):
+        _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS,
+                 ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
+                 in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse,
+                 mask, 1)
 
     @gluon.jit
     def na_fwd_hopper_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS,
@@ -297,15 +302,14 @@ if gluon is not None:
         tma.async_copy_global_to_shared(q_desc, [b, first0 + half0, first1 + half1, first2 + half2, h * BLOCK_D],
                                         q_bar, q_smem.index(1))
 
-        args = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program,
-                first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1,
-                in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX,
-                store_lse, mask)
+        args = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
+                b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
         gl.warp_specialize([
             (_consume_first, args),
             (_consume_second, args),
-            (_load_kv, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, (h // GROUP) * BLOCK_D, lo0, lo1, lo2, n12,
-                        n2, n_tiles)),
+            (_load_kv, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, (h // GROUP) * BLOCK_D,
+                        lo0, lo1, lo2, n12, n2, n_tiles)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
 
@@ -476,6 +480,7 @@ def run(fw: HopperForward, q4, k4, v4, out4, lse) -> None:
     v_desc = _descriptor(v4, *fw.kv_layouts[1])
     flags = torch.empty(fw.programs * ROWS, dtype=torch.int8, device=q4.device)
     lse_arg = out4 if lse is None else lse
-    na_fwd_hopper_kernel[fw.grid](q_desc, k_desc, v_desc, out4, lse_arg, flags, fw.starts, fw.spans, fw.row_offsets, *fw.scalars,
+    na_fwd_hopper_kernel[fw.grid](q_desc, k_desc, v_desc, out4, lse_arg, flags, fw.starts, fw.spans, fw.row_offsets,
+                                  *fw.scalars,
                                   **fw.meta)
     na_fwd_nonfinite_kernel[fw.grid](q4, k4, v4, out4, lse_arg, flags, *fw.fixup_scalars, **fw.fixup_meta)
