@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import kernels, tiles
 from .kernels import _attend_by_offset, _program_group
-from ..window import NAParams, axis_window
+from ..window import NAParams
 
 try:  # Gluon (Triton's explicit-layout dialect) exists from Triton 3.5 on
     from triton.experimental import gluon
@@ -344,8 +344,6 @@ class HopperForward:
 
     q_tile: tuple  # (T0, T1, T2)
     kv_tile: tuple  # (U0, U1, U2)
-    tiles_per_axis: tuple  # (NT0, NT1, NT2)
-    spatial: tuple  # (L0, L1, L2)
     grid: tuple
     masked: bool  # some key tile lies partly outside some row's window (else no tile is masked)
     starts: torch.Tensor  # [3, LMAX, 2] int32: each position's window per axis
@@ -405,18 +403,18 @@ def window_tables(params: NAParams, q_tile, device) -> tuple[torch.Tensor, torch
     """``(starts, spans, row_offsets)``: per axis (leading dummy axes first), every position's window ``[start,
     stop)``; every query tile's key span ``[lo, hi)``, the part ``[in_lo, in_hi)`` inside all its rows' windows and
     its first query (padded to 8 fields); and each of a tile's rows' offsets from that first query."""
-    axes = [(1, 1, 1, False)] * (3 - params.rank) + [(L, K, s, c) for L, K, s, _, c in params.axes()]
-    lmax = max(L for L, *_ in axes)
-    ntmax = max(-(-L // t) for (L, *_), t in zip(axes, q_tile))
+    axes = [tiles.Axis(1, 1, 1)] * (3 - params.rank) + tiles.axes_of(params)
+    lmax = max(ax.Lg for ax in axes)
+    ntmax = max(-(-ax.Lg // t) for ax, t in zip(axes, q_tile))
     starts = torch.zeros(3, lmax, 2, dtype=torch.int32)
     spans = torch.zeros(3, ntmax, 8, dtype=torch.int32)
-    for a, ((L, K, s, causal), t) in enumerate(zip(axes, q_tile)):
-        windows = [tuple(int(x) for x in axis_window(i, L, K, s, 1, causal)[2:]) for i in range(L)]
-        starts[a, :L] = torch.tensor(windows, dtype=torch.int32)
-        for tile in range(-(-L // t)):
-            first, last = tile * t, min(tile * t + t, L) - 1
-            (a_first, b_first), (a_last, b_last) = windows[first], windows[last]
-            spans[a, tile, :5] = torch.tensor([a_first, b_last, a_last, b_first, first], dtype=torch.int32)
+    for a, (ax, t) in enumerate(zip(axes, q_tile)):
+        start, stop = tiles.axis_windows(ax)  # the tile planner's windows (ops.window's rules), cached per axis
+        starts[a, :ax.Lg] = torch.tensor([start, stop], dtype=torch.int32).T
+        for tile in range(-(-ax.Lg // t)):
+            first, last = tile * t, min(tile * t + t, ax.Lg) - 1
+            spans[a, tile, :5] = torch.tensor([start[first], stop[last], start[last], stop[first], first],
+                                              dtype=torch.int32)
     rows = torch.arange(math.prod(q_tile))
     t0, t1, t2 = q_tile
     row_offsets = torch.stack([rows // (t1 * t2), (rows // t2) % t1, rows % t2]).to(torch.int32)
@@ -453,7 +451,7 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool,
     fixup_meta = dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
                       T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], BLOCK_D=d, IDX64=False, STORE_LSE=need_lse,
                       SUB=launch.gather_rows(d, d), num_warps=4, num_stages=1)
-    return HopperForward(q_tile, kv_tile, nt, L, (programs, b * hq), masked, starts, spans, row_offsets, scalars,
+    return HopperForward(q_tile, kv_tile, (programs, b * hq), masked, starts, spans, row_offsets, scalars,
                          meta, fixup_scalars, fixup_meta, launch.host_kv_layouts(params, q4, q4, box)[0],
                          launch.host_kv_layouts(params, k4, v4, kv_tile))
 
@@ -474,13 +472,11 @@ def _descriptor(t: torch.Tensor, shape, strides, block) -> "GluonDescriptor":
 
 def run(fw: HopperForward, q4, k4, v4, out4, lse) -> None:
     """``out4`` (``[B, N, H, D]``) and ``lse`` (``[B, N, H]`` float32, or None) for the problem of ``fw``."""
-    d = q4.shape[-1]
     q_desc = _descriptor(q4, *fw.q_layout)
     k_desc = _descriptor(k4, *fw.kv_layouts[0])
     v_desc = _descriptor(v4, *fw.kv_layouts[1])
     flags = torch.empty(fw.programs * ROWS, dtype=torch.int8, device=q4.device)
     lse_arg = out4 if lse is None else lse
     na_fwd_hopper_kernel[fw.grid](q_desc, k_desc, v_desc, out4, lse_arg, flags, fw.starts, fw.spans, fw.row_offsets,
-                                  *fw.scalars,
-                                  **fw.meta)
+                                  *fw.scalars, **fw.meta)
     na_fwd_nonfinite_kernel[fw.grid](q4, k4, v4, out4, lse_arg, flags, *fw.fixup_scalars, **fw.fixup_meta)

@@ -420,14 +420,14 @@ def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True,
         plan = remember_plan(_FORWARD, key, plan_forward(q, k, v, rpb, params, scale, need_lse, host_descriptors))
     out = _empty(plan.out_shape, q.dtype, q.device)
     lse = _empty(plan.lse_shape, torch.float32, q.device) if plan.lse_shape is not None else None
-    table = None if rpb is None else rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])
-    if plan.as_tokens:
-        q, k, v = _tokens(q, plan.tokens), _tokens(k, plan.tokens), _tokens(v, plan.tokens)
-    if plan.hopper is not None:
+    if plan.hopper is not None:  # its kernel takes [B, N, H, D] views whatever ``as_tokens`` says
         b, hq = out.shape[0], out.shape[-2]
         hopper.run(plan.hopper, _tokens(q, plan.tokens), _tokens(k, plan.tokens), _tokens(v, plan.tokens),
                    out.view(b, plan.tokens, hq, -1), None if lse is None else lse.view(b, plan.tokens, hq))
         return out, lse
+    table = None if rpb is None else rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])
+    if plan.as_tokens:
+        q, k, v = _tokens(q, plan.tokens), _tokens(k, plan.tokens), _tokens(v, plan.tokens)
     bias = q if table is None else table  # (a stand-in without RPB: the kernel does not read it)
     tiles = _bias_tiles(plan.bias_tiles, table, q)
     _run_chunks(plan.launches, (q, k, v, bias, out, out if lse is None else lse,

@@ -64,7 +64,7 @@ def _log2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _windows(ax: Axis) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def axis_windows(ax: Axis) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(start, stop) of every query's window on the axis (group coordinates)."""
     wins = [axis_window(i, ax.Lg, ax.K, ax.s, 1, ax.causal)[2:] for i in range(ax.Lg)]
     return tuple(int(w[0]) for w in wins), tuple(int(w[1]) for w in wins)
@@ -78,7 +78,7 @@ def _masked(first: int, n: int, step: int, width: int, in_lo: int, in_hi: int) -
 @functools.lru_cache(maxsize=65536)
 def axis_loop(ax: Axis, outer: int, inner: int, inverse: bool) -> AxisLoop:
     """The loops of one axis, as the kernels run them (``inverse``: dK/dV, outer tiles are keys)."""
-    starts, stops = _windows(ax)
+    starts, stops = axis_windows(ax)
     iterations = masked = 0
     for o in range(0, ax.Lg, outer):
         if inverse:  # queries [ql, qh) reach the keys [o, o + outer)
@@ -101,7 +101,7 @@ def max_boxes(axes: list[Axis], outer: tuple, inner: tuple, inverse: bool = Fals
     """The most inner tiles any one program visits (``inverse``: dK/dV, whose outer tiles are keys)."""
     most = 1
     for ax, t, u in zip(axes, outer, inner):
-        starts, stops = _windows(ax)
+        starts, stops = axis_windows(ax)
         counts = []
         for o in range(0, ax.Lg, t):
             if inverse:
