@@ -226,26 +226,6 @@ if gluon is not None:
                  mask=ok_o[:, None])
 
     @gluon.jit
-    def _consume_first(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS,
-                       ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1,
-                       in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX,
-                       store_lse, mask):
-        _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS,
-                 ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
-                 in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse,
-                 mask, 0)
-
-    @gluon.jit
-    def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS,
-                        ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1,
-                        in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX,
-                        store_lse, mask):
-        _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS,
-                 ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
-                 in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse,
-                 mask, 1)
-
-    @gluon.jit
     def na_fwd_hopper_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS,
                              sob, sot, soh, slb, slt, HQ, GROUP, qk_scale, L0, L1, L2, NT0, NT1, NT2, LMAX, NTMAX,
                              half0, half1, half2, store_lse, mask, STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
@@ -306,8 +286,8 @@ if gluon is not None:
                 b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
                 n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
         gl.warp_specialize([
-            (_consume_first, args),
-            (_consume_second, args),
+            (_consume, args + (gl.to_tensor(0),)),  # the consumer's half of the query box
+            (_consume, args + (gl.to_tensor(1),)),
             (_load_kv, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, (h // GROUP) * BLOCK_D,
                         lo0, lo1, lo2, n12, n2, n_tiles)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
