@@ -1,4 +1,5 @@
-"""Compile the Hopper forward (``ops/fused/hopper.py``, Gluon) for sm_90 without a GPU and report its resources.
+"""Compile the Hopper kernels (Gluon: the forward in ``ops/fused/hopper.py``, dK/dV in ``ops/fused/hopper_dkdv.py``)
+for sm_90 without a GPU and report their resources.
 
     python benchmarks/hopper_compile_check.py
 
@@ -19,11 +20,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from fused_compile_check import ptxas_usage  # noqa: E402
-from ops.fused import hopper  # noqa: E402
+from ops.fused import hopper, hopper_dkdv  # noqa: E402
 
-# (query tile, key tile, head dim): the tiles ``tiles.choose_tiles`` gives 2-D and 3-D problems
-CASES = [((1, 8, 16), (1, 8, 16), 128), ((2, 8, 8), (2, 8, 8), 128), ((1, 8, 16), (2, 8, 8), 64)]
-POINTERS = {"O": "*bf16", "LSE": "*fp32", "FLAGS": "*i8", "STARTS": "*i32", "SPANS": "*i32", "ROW_OFFSETS": "*i32"}
+# (kernel, query tile, key tile, head dim): the tiles ``tiles.choose_tiles`` gives 1-D, 2-D and 3-D problems
+CASES = [("fwd", (1, 8, 16), (1, 8, 16), 128), ("fwd", (2, 8, 8), (2, 8, 8), 128), ("fwd", (1, 8, 16), (2, 8, 8), 64),
+         ("dkdv", (1, 1, 64), (1, 1, 128), 128), ("dkdv", (1, 8, 8), (1, 8, 16), 128),
+         ("dkdv", (4, 4, 4), (2, 8, 8), 128), ("dkdv", (1, 4, 16), (1, 8, 16), 64)]
+POINTERS = {"O": "*bf16", "QUERY_RANGES": "*i32", "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "FLAGS": "*i8",
+            "STARTS": "*i32", "SPANS": "*i32", "ROW_OFFSETS": "*i32", "KEY_OFFSETS": "*i32"}
+FLOATS = ("qk_scale", "scale")
 
 
 def _descriptor_type(box, dim):
@@ -34,23 +39,27 @@ def _descriptor_type(box, dim):
     return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
 
 
-def compile_case(q_tile, kv_tile, dim):
+def compile_case(kernel, q_tile, kv_tile, dim):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = hopper.na_fwd_hopper_kernel
-    constexprs = dict(STAGES_=hopper.STAGES, CONSUMER_REGS_=hopper.CONSUMER_REGS, PRODUCER_REGS_=hopper.PRODUCER_REGS)
+    if kernel == "fwd":  # each consumer reads its half of the query box
+        module, fn = hopper, hopper.na_fwd_hopper_kernel
+        boxes = {"q_desc": hopper.half_box(q_tile)[0], "k_desc": kv_tile, "v_desc": kv_tile}
+    else:  # each consumer holds its half of the key box
+        module, fn = hopper_dkdv, hopper_dkdv.na_bwd_dkdv_hopper_kernel
+        half = hopper.half_box(kv_tile)[0]
+        boxes = {"k_desc": half, "v_desc": half, "q_desc": q_tile, "do_desc": q_tile}
+    constexprs = dict(STAGES_=module.STAGES, CONSUMER_REGS_=module.CONSUMER_REGS, PRODUCER_REGS_=module.PRODUCER_REGS)
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name == "q_desc":
-            signature[name] = _descriptor_type(hopper.half_box(q_tile)[0], dim)
-        elif name in ("k_desc", "v_desc"):
-            signature[name] = _descriptor_type(kv_tile, dim)
+        elif name in boxes:
+            signature[name] = _descriptor_type(boxes[name], dim)
         elif name in POINTERS:
             signature[name] = POINTERS[name]
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            signature[name] = "fp32" if name in FLOATS else "i32"
     compiled = triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})
     ptx = compiled.asm["ptx"]
@@ -60,13 +69,13 @@ def compile_case(q_tile, kv_tile, dim):
 def main():
     if hopper.gluon is None:
         sys.exit("this Triton has no Gluon")
-    for q_tile, kv_tile, dim in CASES:
+    for kernel, q_tile, kv_tile, dim in CASES:
         try:
-            (regs, spill), wgmma, setmaxnreg = compile_case(q_tile, kv_tile, dim)
-            print(f"q {q_tile} kv {kv_tile} D {dim}: ok  regs={regs} spill_bytes={spill} wgmma={wgmma} "
+            (regs, spill), wgmma, setmaxnreg = compile_case(kernel, q_tile, kv_tile, dim)
+            print(f"{kernel} q {q_tile} kv {kv_tile} D {dim}: ok  regs={regs} spill_bytes={spill} wgmma={wgmma} "
                   f"setmaxnreg={setmaxnreg}", flush=True)
         except Exception as err:  # report every case
-            print(f"q {q_tile} kv {kv_tile} D {dim}: FAIL {type(err).__name__}: {str(err).strip()[-300:]}", flush=True)
+            print(f"{kernel} q {q_tile} kv {kv_tile} D {dim}: FAIL {type(err).__name__}: {str(err).strip()[-300:]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The fused backend's Hopper forward (``ops/fused/hopper.py``) against the dense float64 oracle.
+"""The fused backend's Hopper kernels (the forward in ``ops/fused/hopper.py``, dK/dV in ``ops/fused/hopper_dkdv.py``)
+against the dense float64 oracle.
 
-The kernel needs an sm_90 GPU (``gpu`` tests); its host side (eligibility, tiles, the tile-order copy of Q) is plain
-torch and runs here too.  Each GPU case asserts that the call took the Hopper kernel, poisons every output buffer
-with NaN first, and covers masked and mask-free launches, padded query tiles, GQA, causal and strided axes, both
-16-bit dtypes and both head dims.
+The kernels need an sm_90 GPU (``gpu`` tests); their host sides (eligibility, tiles, window tables) are plain torch
+and run here too.  Each GPU case asserts that the call took the Hopper kernel, poisons every output buffer with NaN
+first, and covers masked and mask-free launches, padded tiles, GQA, causal and strided axes, both 16-bit dtypes and
+both head dims.
 """
 import math
 import os
@@ -17,9 +18,9 @@ if not torch.cuda.is_available():  # must precede the first import of triton cod
 pytest.importorskip("triton")
 
 import ops  # noqa: E402
-from ops.fused import hopper, launch  # noqa: E402
+from ops.fused import hopper, hopper_dkdv, launch  # noqa: E402
 from ops.window import NAParams, axis_window  # noqa: E402
-from tests.oracle import RandomProblem, oracle_attention  # noqa: E402
+from tests.oracle import RandomProblem, dense_mask_and_bias_index, oracle_attention  # noqa: E402
 
 
 def _params(spatial, kernel, stride=None, causal=None):
@@ -69,6 +70,46 @@ def test_window_tables_follow_the_window_rules(spatial, kernel, stride, causal):
     r = torch.arange(math.prod(q_tile))
     assert torch.equal(rows.long(), torch.stack([r // (q_tile[1] * q_tile[2]), (r // q_tile[2]) % q_tile[1],
                                                  r % q_tile[2]]))
+
+
+@pytest.mark.parametrize("spatial, kernel, stride, causal", [
+    ((4, 16, 24), (3, 9, 9), (1, 2, 1), (True, False, False)), ((40, 24), (33, 17), (8, 1), (False, True)),
+    ((300,), (129,), (64,), (False,))])
+def test_inverse_tables_follow_the_window_rules(spatial, kernel, stride, causal):
+    """For dK/dV, per axis: the queries whose windows hold each key, and per key tile the queries reaching any of its
+    keys, those whose windows hold all of them and its first key, against ``ops.window`` query by query."""
+    params = _params(spatial, kernel, stride, causal)
+    kv_tile = (1,) * (3 - len(spatial)) + tuple(min(8, L) for L in spatial[:-1]) + (128 // math.prod(
+        min(8, L) for L in spatial[:-1]),)
+    ranges, spans, rows = hopper_dkdv.inverse_tables(params, kv_tile)
+    axes = [(1, 1, 1, False)] * (3 - len(spatial)) + list(zip(spatial, kernel, stride, causal))
+    for a, ((L, K, s, c), u) in enumerate(zip(axes, kv_tile)):
+        windows = [tuple(int(x) for x in axis_window(i, L, K, s, 1, c)[2:]) for i in range(L)]
+        holding = [[i for i in range(L) if windows[i][0] <= key < windows[i][1]] for key in range(L)]
+        for key in range(ranges.shape[1]):
+            lo, hi = ranges[a, key].tolist()
+            assert list(range(lo, hi)) == (holding[key] if key < L else [])
+        for tile in range(-(-L // u)):
+            keys = range(tile * u, min(tile * u + u, L))
+            reach = sorted(set().union(*(holding[key] for key in keys)))
+            inside = [i for i in range(L) if all(i in holding[key] for key in keys)]
+            lo, hi, in_lo, in_hi, first = spans[a, tile, :5].tolist()
+            assert list(range(lo, hi)) == reach and list(range(in_lo, in_hi)) == inside and first == keys[0]
+    r = torch.arange(math.prod(kv_tile))
+    assert torch.equal(rows.long(), torch.stack([r // (kv_tile[1] * kv_tile[2]), (r // kv_tile[2]) % kv_tile[1],
+                                                 r % kv_tile[2]]))
+
+
+def test_dkdv_plan_and_reasons():
+    params = _params((256, 256), (80, 80), (16, 16))
+    q4 = torch.zeros(1, params.num_tokens, 4, 128, dtype=torch.bfloat16)
+    k4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
+    bw = hopper_dkdv.plan(q4, k4, k4, q4, params, 0.1, (k4, k4))
+    assert bw.grid == (256 * 256 // hopper_dkdv.KEYS, 2)  # one program per 128-key tile and kv head
+    assert hopper_dkdv.unsupported(q4, k4, k4, q4, torch.zeros(4, 159, 159), params, 0.1) is not None
+    assert hopper_dkdv.unsupported(q4, k4, k4, q4.float(), None, params, 0.1) is not None
+    with hopper.disabled():
+        assert "disabled" in hopper_dkdv.unsupported(q4, k4, k4, q4, None, params, 0.1)
 
 
 def test_half_box_holds_the_first_64_rows():
@@ -128,15 +169,17 @@ def _problem(name, dim):
     return RandomProblem(spatial, kernel, stride, (1,) * len(spatial), causal, 2, heads, heads_kv, dim, dim, False)
 
 
-def _attend(p, dtype, seed, grads=False, poison_keys=None):
+def _attend(p, dtype, seed, grads=False, poison_keys=None, poison_queries=None, hopper_forward=True):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, _ = p.tensors(dtype=dtype, device="cuda", generator=gen, requires_grad=grads)
-    if poison_keys is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if poison_keys is not None:
             k.view(p.batch, -1, p.heads_kv, p.dim)[:, poison_keys] = float("nan")
+        if poison_queries is not None:
+            q.view(p.batch, -1, p.heads, p.dim)[:, poison_queries] = float("nan")
     out, lse = ops.neighborhood_attention(len(p.spatial), q, k, v, **p.kwargs(), return_lse=True, backend="fused")
     plans = list(launch._FORWARD.values())
-    assert plans and all(plan.hopper is not None for plan in plans), "the call did not take the Hopper kernel"
+    assert plans and all((plan.hopper is not None) == hopper_forward for plan in plans), "not the expected forward"
     return (q, k, v), out, lse
 
 
@@ -192,3 +235,65 @@ def test_gpu_nonfinite_keys_stay_in_their_windows(poisoned):
     assert torch.equal(torch.isnan(got).any(-1), expect_nan)
     keep = ~expect_nan
     assert (got[keep] - ref_out[keep]).abs().max() / ref_out[keep].abs().max() < TOL[torch.bfloat16]
+
+
+def _gradients(p, dtype, seed, poison_queries=None):
+    """(got, reference): dQ, dK, dV of the fused backend (asserting that dK/dV ran on the Hopper kernel) and of the
+    float64 oracle, for a random output gradient."""
+    (q, k, v), out, _ = _attend(p, dtype, seed, grads=True, poison_queries=poison_queries,
+                                hopper_forward=len(p.spatial) in hopper.RANKS)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    d_out = torch.randn(out.shape, dtype=out.dtype, device="cuda", generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), d_out)
+    plans = list(launch._BACKWARD.values())
+    assert plans and all(plan.hopper_dkdv is not None for plan in plans), "dK/dV did not take the Hopper kernel"
+    ref_in = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
+    ref_out, _ = oracle_attention(*ref_in, p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)
+    ref = torch.autograd.grad(ref_out, ref_in, d_out.double().cpu()) if poison_queries is None else None
+    return got, ref, (ref_in, ref_out, d_out)
+
+
+CASES["1d-causal-gqa"] = ((1500,), (1025,), (1,), (True,), 4, 1)  # (1-D forwards stay on the portable kernel)
+
+
+# dK/dV: every problem once (mask-free: the strided ones), each dtype and head dim
+@pytest.mark.parametrize("name, dtype, dim", [
+    ("2d", torch.bfloat16, 128), ("2d-causal-gqa", torch.float16, 64), ("2d-strided", torch.float16, 128),
+    ("3d-causal", torch.bfloat16, 64), ("3d-strided-padded", torch.float16, 128), ("1d-causal-gqa", torch.bfloat16, 128)])
+@gpu
+def test_gpu_dkdv_matches_oracle(poisoned, name, dtype, dim):
+    p = _problem(name, dim)
+    got, ref, _ = _gradients(p, dtype, seed=len(name) * dim)
+    for grad, g, r in zip("qkv", got, ref):
+        assert g.dtype == dtype
+        assert _rel_err(g, r) < 4 * TOL[dtype], f"d{grad}"
+
+
+@gpu
+def test_gpu_dkdv_nonfinite_queries_stay_in_their_windows(poisoned):
+    """A NaN query reaches the dK / dV of exactly the keys in its window (the flagged key tiles are recomputed one
+    window offset at a time); every other key's gradients are finite and match the oracle's from the same inputs with
+    that query's output gradient zeroed."""
+    p = _problem("2d-strided", 64)
+    bad = 1000
+    got, _, (ref_in, _, d_out) = _gradients(p, torch.bfloat16, seed=7, poison_queries=[bad])
+    q64, k64, v64 = (t.detach() for t in ref_in)
+    allowed = dense_mask_and_bias_index(p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)[0]
+    expect_nan = allowed[bad]  # [N]: the keys in the window of query ``bad``
+    for grad in (got[1], got[2]):
+        nan_rows = torch.isnan(grad.double().cpu()).view(p.batch, -1, p.heads_kv, p.dim).any(-1).any(-1).any(0)
+        assert torch.equal(nan_rows, expect_nan)
+    # elsewhere: the oracle's gradients with the bad query taken out (its output gradient zeroed, its value finite)
+    clean_q = q64.clone()
+    clean_q.view(p.batch, -1, p.heads, p.dim)[:, bad] = 0.0
+    d_clean = d_out.double().cpu().clone()
+    d_clean.view(p.batch, -1, p.heads, p.dim)[:, bad] = 0.0
+    ins = [t.requires_grad_(True) for t in (clean_q, k64.clone(), v64.clone())]
+    out, _ = oracle_attention(*ins, p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)
+    ref = torch.autograd.grad(out, ins, d_clean)
+    keep = ~expect_nan
+    for g, r in zip(got[1:], ref[1:]):
+        g = g.double().cpu().view(p.batch, -1, p.heads_kv, p.dim)[:, keep]
+        r = r.view(p.batch, -1, p.heads_kv, p.dim)[:, keep]
+        assert torch.isfinite(g).all()
+        assert ((g - r).abs().max() / r.abs().max()).item() < 4 * TOL[torch.bfloat16]

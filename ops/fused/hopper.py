@@ -345,8 +345,9 @@ def sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float) -> str | None:
-    """Why the Hopper kernel cannot run this problem (None where it can); ``q4`` / ``k4`` / ``v4``: ``[B, N, H, D]``."""
+def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float, ranks: tuple = RANKS) -> str | None:
+    """Why the Hopper kernel cannot run this problem (None where it can); ``q4`` / ``k4`` / ``v4``: ``[B, N, H, D]``;
+    ``ranks``: the problem ranks the kernel runs (``hopper_dkdv`` has its own)."""
     from . import launch  # (launch imports this module)
 
     if not ENABLED:
@@ -365,7 +366,7 @@ def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float) -> str | None:
         return "needs a positive scale"
     if any(d != 1 for d in params.dilation):
         return "no dilation"
-    if params.rank not in RANKS:
+    if params.rank not in ranks:
         return f"{params.rank}-D problems run faster on the portable kernel"
     if params.window_size < MIN_WINDOW:
         return f"windows under {MIN_WINDOW} keys run faster on the portable kernel's smaller tiles"

@@ -16,7 +16,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import autotune, hopper, kernels, rpb_grad
+from . import autotune, hopper, hopper_dkdv, kernels, rpb_grad
 from .tiles import axes_of, max_boxes, partial_axes
 from ..window import NAParams
 
@@ -584,6 +584,7 @@ class BackwardPlan:
     dkdv_bias_tiles: tuple | None = None
     ds_tiles: int = 0  # elements of dQ's tile-layout dS where it gives dRPB (``rpb_grad.reduce_tile_ds``), else 0
     tile_index: torch.Tensor | None = None  # that path's gather index [R, M]
+    hopper_dkdv: hopper_dkdv.HopperDkDv | None = None  # dK/dV runs on the Hopper kernel instead of dkdv_launches
 
     @property
     def dq(self) -> _Launch:
@@ -602,7 +603,7 @@ def _backward_key(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, determini
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], out.stride(), d_out.stride(),
             d_out.dtype, lse.dtype, lse.stride(), d_lse_layout, q.dtype, q.device, _rpb_layout(rpb), scale,
             deterministic, want_drpb, alignment, grads_layout, BIAS_TILES, autotune.state(),
-            autotune.dot_precision(q.dtype), host_descriptors)
+            autotune.dot_precision(q.dtype), host_descriptors, hopper.ENABLED)
 
 
 def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
@@ -641,9 +642,12 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
                                    *descriptor_args(q, plan.dq_layouts, (k, v)), q if ds is None else ds,
                                    _bias_tiles(plan.dq_bias_tiles, table, q, ds if plan.ds_tiles else None), out,
                                    delta if d_lse is None else d_lse))
-    _run_chunks(plan.dkdv_launches, (q, k, v, table, d_out, lse, delta, dk, dvv,
-                                     *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out)),
-                                     _bias_tiles(plan.dkdv_bias_tiles, table, q)))
+    if plan.hopper_dkdv is not None:  # (pointers and the plan's strides: the tensors' shapes do not matter)
+        hopper_dkdv.run(plan.hopper_dkdv, q, k, v, d_out, lse, delta, dk, dvv)
+    else:
+        _run_chunks(plan.dkdv_launches, (q, k, v, table, d_out, lse, delta, dk, dvv,
+                                         *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out)),
+                                         _bias_tiles(plan.dkdv_bias_tiles, table, q)))
     total = None
     if plan.ds_tiles:
         total = rpb_grad.reduce_tile_ds(ds, plan.tile_index, hq, plan.reduce)
@@ -778,7 +782,11 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
 
     dq_config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
     dq_launches, dq_layouts, dq_tiles, dq_offsets = decide_dq(dq_config)
-    config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tma=dkdv_tma_ok, host_descriptors=dkdv_host)
+    # the Hopper kernel reads every tile through host-built descriptors, which ``host_descriptors=False`` rules out
+    on_hopper = hopper_dkdv.plan(q4, k4, v4, do4, params, scale, grads[1:]) if host_descriptors and \
+        hopper_dkdv.unsupported(q4, k4, v4, do4, rpb, params, scale) is None else None
+    config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tunable=on_hopper is None, tma=dkdv_tma_ok,
+                           host_descriptors=dkdv_host)
     dkdv_launches, dkdv_layouts, dkdv_tiles = decide_dkdv(config)
     pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
     if d_lse is not None:
@@ -789,7 +797,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
                         rpb_direct=_rpb_direct(rpb) and len(dq_launches) == 1 == len(dkdv_launches),
                         ds_window=ds_shape if dq_meta["STORE_DS"] else None, ds_atomic=ds_atomic,
                         dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts, dq_bias_tiles=dq_tiles,
-                        dkdv_bias_tiles=dkdv_tiles)
+                        dkdv_bias_tiles=dkdv_tiles, hopper_dkdv=on_hopper)
     if dq_meta["DS_BOXES"]:
         n_rel = math.prod(rpb.shape[1:])
         plan.ds_tiles = dq_tiles[1]

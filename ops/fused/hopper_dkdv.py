@@ -1,0 +1,393 @@
+"""dK/dV on Hopper (sm_90): a warp-specialised Gluon kernel for large windows, the backward's partner of ``hopper``.
+
+One program owns a 128-key box of one kv head and walks the query boxes whose windows reach it (its inverse
+neighbourhood, every query head of the kv head's group in turn).  A one-warp producer copies each query box's Q and
+dO tiles (TMA) into two rings of shared-memory stages; two consumer warpgroups each own 64 of the keys, with their K
+and V rows held in shared memory for the whole loop, and per query box run
+
+    S^T = K Q^T,  dP^T = V dO^T   (wgmma, both issued before either is waited for)
+    P^T = exp2(S^T * scale * log2(e) - lse),  dS^T = P^T (dP^T - delta)
+    dV += P^T dO,  dK += dS^T Q   (P^T and dS^T straight from registers)
+
+then hand the Q and dO stages back.  Keys are the matmuls' rows, so P^T and dS^T are already the left operands
+of the two accumulating matmuls: no transpose through shared memory, which the portable kernel
+(``kernels.na_bwd_dkdv_kernel``, queries as rows) pays on every step.
+
+The window rules come from host tables (``inverse_tables``, from the windows of ``ops.window``), as for the
+forward: per axis, the queries whose windows hold each key position, and per key tile the queries reaching it
+``[lo, hi)`` and those whose windows hold all of it ``[in_lo, in_hi)``.  A consumer reads its keys' query ranges
+once, so a masked box costs compares only, and a query box inside ``[in_lo, in_hi)`` on every axis skips them.  A program whose dK or dV holds a NaN or an infinity flags its rows, and ``na_bwd_dkdv_nonfinite_kernel``
+recomputes those programs one window offset at a time (``kernels._dkdv_by_offset``), so non-finite inputs stay
+inside the windows that hold them, as on the portable kernel.
+
+It runs where ``hopper.unsupported`` accepts the problem (no RPB, no dilation, 16-bit, head dim 64 or 128, large
+windows) for the ranks in ``RANKS``; everything else takes the portable kernel.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import hopper, kernels, tiles
+from .kernels import _dkdv_by_offset, _program_group
+from ..window import NAParams
+
+gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
+if gluon is not None:
+    from .hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+KEYS = 128  # keys per program: two consumer warpgroups of 64
+QUERIES = 64  # queries per box (the score tiles' columns)
+RANKS = (1, 2, 3)
+STAGES = 2  # Q / dO stages in shared memory
+CONSUMER_REGS = 240  # dK and dV accumulate in registers: 128 of a consumer thread's registers at head dim 128
+PRODUCER_REGS = 24
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _load_queries(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, do_ready, do_empty, b, hk, group, ql0,
+                      ql1, ql2, n12, n2, n_tiles):
+        """Producer: every query box of the loop (each query head of the group in turn), Q and dO into the next
+        free stages."""
+        stages: gl.constexpr = q_smem.type.shape[0]
+        block_d: gl.constexpr = q_smem.type.shape[5]
+        for t in range(group * n_tiles):
+            h = hk * group + t // n_tiles
+            tt = t % n_tiles
+            i0 = tt // n12
+            i1 = (tt - i0 * n12) // n2
+            i2 = tt - i0 * n12 - i1 * n2
+            coord = [b, ql0 + i0 * q_smem.type.shape[2], ql1 + i1 * q_smem.type.shape[3],
+                     ql2 + i2 * q_smem.type.shape[4], h * block_d]
+            stage = t % stages
+            lap = ((t // stages) & 1) ^ 1  # a fresh barrier passes the wait for the phase before its first
+            mbarrier.wait(q_empty.index(stage), lap)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, coord, q_ready.index(stage), q_smem.index(stage))
+            mbarrier.wait(do_empty.index(stage), lap)
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, coord, do_ready.index(stage), do_smem.index(stage))
+
+    @gluon.jit
+    def _reaching_queries(QUERY_RANGES, KEY_OFFSETS, axis, first, r, LMAX):
+        """Per key row of a consumer's half, on one axis: the queries whose windows hold it, ``[lo, hi)``."""
+        k = first + gl.load(KEY_OFFSETS + axis * 128 + r)
+        base = QUERY_RANGES + (axis * LMAX + k) * 2
+        return gl.load(base), gl.load(base + 1)
+
+    @gluon.jit
+    def _consume_keys(k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, DK, DV, LSE,
+                      DELTA, FLAGS, QUERY_RANGES, KEY_OFFSETS, b, hk, group, program, first0, first1, first2, ql0, ql1, ql2,
+                      in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, skb, skt, skh, svb, svt, svh,
+                      slb, slt, qk_scale, scale, L0, L1, L2, LMAX, half):
+        """Consumer: dK and dV of 64 keys over every query box the producer stages, then their flags and stores."""
+        stages: gl.constexpr = q_smem.type.shape[0]
+        T0: gl.constexpr = q_smem.type.shape[2]
+        T1: gl.constexpr = q_smem.type.shape[3]
+        T2: gl.constexpr = q_smem.type.shape[4]
+        block_d: gl.constexpr = q_smem.type.shape[5]
+        cols: gl.constexpr = T0 * T1 * T2
+        rows: gl.constexpr = k_smem.type.shape[2] * k_smem.type.shape[3] * k_smem.type.shape[4]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, cols, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, block_d, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        # the key rows' places in the 128-key box (clamped past an axis' end: those rows are never stored), and the
+        # queries reaching each: loop invariants, so the mask costs compares only
+        r = half * rows + gl.arange(0, rows, layout=s_rows)
+        lo0, hi0 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 0, first0, r, LMAX)
+        lo1, hi1 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 1, first1, r, LMAX)
+        lo2, hi2 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 2, first2, r, LMAX)
+        # lse and delta are loaded one column per thread, then spread over the score tile's column layout: loaded
+        # in that layout, every thread would hold 16 of the 64 pointers (and spill)
+        c = gl.arange(0, cols, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        c_tok = ((c // (T1 * T2)) * L1 + (c // T2) % T1) * L2 + c % T2  # the columns' tokens from their box's first
+        n_tokens = L0 * L1 * L2
+        lse_b = LSE + b.to(gl.int64) * slb
+        delta_b = DELTA + b.to(gl.int64) * slb
+
+        k_rows = k_smem.index(half).reshape([rows, block_d])
+        v_rows = v_smem.index(half).reshape([rows, block_d])
+        dk = gl.zeros([rows, block_d], gl.float32, layout=o_layout)
+        dv = gl.zeros([rows, block_d], gl.float32, layout=o_layout)
+        mbarrier.wait(kv_bar, 0)
+        for t in range(group * n_tiles):
+            h = hk * group + t // n_tiles
+            tt = t % n_tiles
+            i0 = tt // n12
+            i1 = (tt - i0 * n12) // n2
+            q0 = ql0 + i0 * T0
+            q1 = ql1 + i1 * T1
+            q2 = ql2 + (tt - i0 * n12 - i1 * n2) * T2
+            stage = t % stages
+            phase = (t // stages) & 1
+            q_cols = q_smem.index(stage).reshape([cols, block_d])
+            do_cols = do_smem.index(stage).reshape([cols, block_d])
+            # a box not inside every key's window is masked through the score matmul's initial value (0 or -inf),
+            # built before the matmuls hold their registers
+            full = ((q0 >= in_lo0) & (q0 + T0 <= in_hi0) & (q1 >= in_lo1) & (q1 + T1 <= in_hi1)
+                    & (q2 >= in_lo2) & (q2 + T2 <= in_hi2))
+            if full:
+                s_init = gl.zeros([rows, cols], gl.float32, layout=s_layout)
+            else:
+                cm = gl.arange(0, cols, layout=s_cols)
+                qc0 = q0 + cm // (T1 * T2)
+                qc1 = q1 + (cm // T2) % T1
+                qc2 = q2 + cm % T2
+                keep = ((qc0[None, :] >= lo0[:, None]) & (qc0[None, :] < hi0[:, None])
+                        & (qc1[None, :] >= lo1[:, None]) & (qc1[None, :] < hi1[:, None])
+                        & (qc2[None, :] >= lo2[:, None]) & (qc2[None, :] < hi2[:, None]))
+                s_init = gl.where(keep, 0.0, float("-inf"))
+            mbarrier.wait(q_ready.index(stage), phase)
+            st = warpgroup_mma(k_rows, q_cols.permute((1, 0)), s_init, is_async=True)
+            mbarrier.wait(do_ready.index(stage), phase)
+            dpt = warpgroup_mma(v_rows, do_cols.permute((1, 0)), gl.zeros([rows, cols], gl.float32, layout=s_layout),
+                                use_acc=False, is_async=True)
+
+            # A column past an axis' end holds another query's token (or one past the last): its Q and dO are zero
+            # (the copy's fill) and the mask drops it, since a box sticking out is never inside every key's window.
+            # Offsets fit in 32 bits (``hopper.unsupported``).
+            tok = (q0 * L1 + q1) * L2 + q2 + c_tok
+            tok_ok = tok < n_tokens
+            lse2 = gl.convert_layout(gl.load(lse_b + tok * slt + h, mask=tok_ok, other=0.0) * 1.4426950408889634,
+                                     s_cols)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+            pt = gl.exp2(st * qk_scale - lse2[None, :])  # -inf scores: a positive scale keeps them -inf
+            delta = gl.convert_layout(gl.load(delta_b + tok * slt + h, mask=tok_ok, other=0.0), s_cols)
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+            dst = pt * (dpt - delta[None, :])
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_cols, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_cols, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            mbarrier.arrive(do_empty.index(stage), count=1)
+
+        dk = dk * scale
+        ro = half * rows + gl.arange(0, rows, layout=o_rows)
+        kc0 = first0 + gl.load(KEY_OFFSETS + ro)
+        kc1 = first1 + gl.load(KEY_OFFSETS + 128 + ro)
+        kc2 = first2 + gl.load(KEY_OFFSETS + 256 + ro)
+        k_ok = (kc0 < L0) & (kc1 < L1) & (kc2 < L2)
+        # keys past an axis' end (zero-filled, never stored) may overflow on their own rows: not flagged
+        # a NaN or an infinity in a row reaches its sum (a false alarm, a sum overflowing, costs only the fixup)
+        nonfinite = ((gl.sum(dk, 1) + gl.sum(dv, 1)) * 0.0 != 0.0) & k_ok
+        gl.store(FLAGS + program * 128 + ro, nonfinite.to(gl.int8))
+        tok = (kc0 * L1 + kc1) * L2 + kc2
+        d = gl.arange(0, block_d, layout=gl.SliceLayout(0, o_layout))
+        gl.store(DK + b.to(gl.int64) * skb + hk * skh + tok[:, None] * skt + d[None, :], dk.to(dtype),
+                 mask=k_ok[:, None])
+        gl.store(DV + b.to(gl.int64) * svb + hk * svh + tok[:, None] * svt + d[None, :], dv.to(dtype),
+                 mask=k_ok[:, None])
+
+    @gluon.jit
+    def na_bwd_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, FLAGS, QUERY_RANGES, SPANS,
+                                  KEY_OFFSETS, skb, skt, skh, svb, svt, svh, slb, slt, HKV, GROUP, qk_scale, scale,
+                                  L0, L1, L2, NU0, NU1, NU2, LMAX, NUMAX, half0, half1, half2,
+                                  STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
+        # k_desc / v_desc: K and V as [B, L0, L1, L2, heads * D] in boxes of half the key tile (``hopper.half_box``;
+        # ``half*``: the second half's offset per axis); q_desc / do_desc: Q and dO in query boxes.
+        # QUERY_RANGES[axis, position] = [lo, hi) of the queries whose windows hold the key; SPANS[axis, key tile] = (lo, hi, in_lo, in_hi, first
+        # key, -, -, -): the queries reaching the tile, those whose windows hold all of it, its first key;
+        # KEY_OFFSETS[axis, row] = the row's offset from the tile's first key.  FLAGS[program, row] = 1 where the
+        # key's dK or dV holds a NaN / inf.
+        pid = gl.program_id(0)
+        bh = gl.program_id(1)
+        program = bh * gl.num_programs(0) + pid
+        b = bh // HKV
+        hk = bh % HKV
+        tile2 = pid % NU2
+        tile1 = (pid // NU2) % NU1
+        tile0 = pid // (NU1 * NU2)
+        span0 = SPANS + (0 * NUMAX + tile0) * 8
+        span1 = SPANS + (1 * NUMAX + tile1) * 8
+        span2 = SPANS + (2 * NUMAX + tile2) * 8
+        ql0, qh0, in_lo0, in_hi0 = gl.load(span0), gl.load(span0 + 1), gl.load(span0 + 2), gl.load(span0 + 3)
+        ql1, qh1, in_lo1, in_hi1 = gl.load(span1), gl.load(span1 + 1), gl.load(span1 + 2), gl.load(span1 + 3)
+        ql2, qh2, in_lo2, in_hi2 = gl.load(span2), gl.load(span2 + 1), gl.load(span2 + 2), gl.load(span2 + 3)
+        first0 = gl.load(span0 + 4)
+        first1 = gl.load(span1 + 4)
+        first2 = gl.load(span2 + 4)
+        T0: gl.constexpr = q_desc.block_type.shape[1]
+        T1: gl.constexpr = q_desc.block_type.shape[2]
+        T2: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_D: gl.constexpr = q_desc.block_type.shape[4]
+        n2 = gl.cdiv(gl.maximum(qh2 - ql2, 0), T2)
+        n12 = gl.cdiv(gl.maximum(qh1 - ql1, 0), T1) * n2
+        n_tiles = gl.cdiv(gl.maximum(qh0 - ql0, 0), T0) * n12
+
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES_] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES_] + do_desc.block_type.shape, do_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES_):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumers hand a stage back
+            mbarrier.init(do_empty.index(i), count=2)
+        mbarrier.init(kv_bar, count=1)
+        fence_async_shared()
+
+        col = hk * BLOCK_D
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, first0, first1, first2, col], kv_bar, k_smem.index(0))
+        tma.async_copy_global_to_shared(k_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], kv_bar,
+                                        k_smem.index(1))
+        tma.async_copy_global_to_shared(v_desc, [b, first0, first1, first2, col], kv_bar, v_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], kv_bar,
+                                        v_smem.index(1))
+
+        args = (k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, DK, DV, LSE, DELTA,
+                FLAGS, QUERY_RANGES, KEY_OFFSETS, b, hk, GROUP, program, first0, first1, first2, ql0, ql1, ql2, in_lo0,
+                in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, skb, skt, skh, svb, svt, svh, slb, slt,
+                qk_scale, scale, L0, L1, L2, LMAX)
+        gl.warp_specialize([
+            (_consume_keys, args + (gl.to_tensor(0),)),  # the consumer's half of the key box
+            (_consume_keys, args + (gl.to_tensor(1),)),
+            (_load_queries, (q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, do_ready, do_empty, b, hk, GROUP,
+                             ql0, ql1, ql2, n12, n2, n_tiles)),
+        ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+
+
+@triton.jit
+def na_bwd_dkdv_nonfinite_kernel(
+    Q, Kp, V, DO, LSE, DELTA, DK, DV, FLAGS,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, slb, slt, skgb, skgt, skgh, svgb, svgt, svgh,
+    HKV, GROUP, HEAD_DIM, qk_scale, scale,
+    L0, L1, L2, K0, K1, K2, S0, S1, S2, NU0, NU1, NU2,
+    CAUSAL0: tl.constexpr, CAUSAL1: tl.constexpr, CAUSAL2: tl.constexpr,
+    ACT0: tl.constexpr, ACT1: tl.constexpr,
+    U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+    BLOCK_D: tl.constexpr, IDX64: tl.constexpr, SUB: tl.constexpr,
+):
+    """dK / dV of the key tiles ``na_bwd_dkdv_hopper_kernel`` flagged, again, one window offset at a time; every
+    other program reads its flags and ends."""
+    program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    if tl.max(tl.load(FLAGS + program * (U0 * U1 * U2) + tl.arange(0, U0 * U1 * U2)), 0) != 0:
+        g0, tile0, g1, tile1, g2, tile2, b, hk, Lg0, Lg1, Lg2 = _program_group(NU0, NU1, NU2, 1, 1, 1, L0, L1, L2,
+                                                                              HKV, ACT0, ACT1)
+        b64 = b.to(tl.int64)
+        _dkdv_by_offset(Q, Kp, V, Q, DO, LSE, DELTA, DK, DV, b, hk, GROUP, sqb, sqt, sqh, skt, sdb, sdt, sdh, svt,
+                        slb, slt, skgt, svgt, b64 * skb + hk * skh, b64 * svb + hk * svh, b64 * skgb + hk * skgh,
+                        b64 * svgb + hk * svgh, tile0 * U0, tile1 * U1, tile2 * U2, g0, g1, g2, Lg0, Lg1, Lg2, L1,
+                        L2, K0, K1, K2, S0, S1, S2, 1, 1, 1, HEAD_DIM, HEAD_DIM, qk_scale, scale, CAUSAL0, CAUSAL1,
+                        CAUSAL2, U0, U1, U2, SUB, BLOCK_D, BLOCK_D, False, IDX64)
+
+
+@dataclass(frozen=True)
+class HopperDkDv:
+    """A backward problem's dK/dV launches on the Hopper kernel (``plan``)."""
+
+    grid: tuple
+    query_ranges: torch.Tensor  # [3, LMAX, 2] int32: the queries whose windows hold each key position, per axis
+    spans: torch.Tensor  # [3, NUMAX, 8] int32: each key tile's reaching queries, its inner queries, its first key
+    key_offsets: torch.Tensor  # [3, 128] int32: each row's offset from its key tile's first key per axis
+    scalars: tuple  # the main kernel's, after its tensor arguments
+    meta: dict
+    fixup_scalars: tuple
+    fixup_meta: dict
+    kv_layouts: tuple  # (shape, strides, box) of K's and V's descriptors, one box per consumer
+    q_layouts: tuple  # of Q's and dO's, one box per query tile
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def unsupported(q4, k4, v4, do4, rpb, params: NAParams, scale: float) -> str | None:
+    """Why the Hopper dK/dV kernel cannot run this problem (None where it can); ``[B, N, H, D]`` inputs."""
+    from . import launch
+
+    why = hopper.unsupported(q4, k4, v4, rpb, params, scale, ranks=RANKS)
+    if why is None and (do4.dtype != q4.dtype or do4.shape[-1] != v4.shape[-1]
+                        or not launch.host_descriptors_ok(params, do4, do4, do4.shape[0], do4.shape[-2])
+                        or launch.needs_int64(do4)):
+        why = "dO's dtype, head dim or layout does not allow host-built descriptors"
+    return why
+
+
+def inverse_tables(params: NAParams, kv_tile) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(query_ranges, spans, key_offsets)``, per axis (leading dummy axes first): for every key position the queries
+    whose windows hold it, ``[lo, hi)`` (empty past the axis' end, up to the last tile's end); for every key tile the
+    queries reaching it ``[lo, hi)``, those whose windows hold all of it ``[in_lo, in_hi)`` (empty where none does)
+    and its first key (padded to 8 fields); and each of a tile's rows' offsets from that first key.  A window's
+    start and stop never decrease along an axis, so all these query sets are ranges."""
+    axes = [tiles.Axis(1, 1, 1)] * (3 - params.rank) + tiles.axes_of(params)
+    n_tiles = [-(-ax.Lg // u) for ax, u in zip(axes, kv_tile)]
+    ranges = torch.zeros(3, max(n * u for n, u in zip(n_tiles, kv_tile)), 2, dtype=torch.int32)
+    spans = torch.zeros(3, max(n_tiles), 8, dtype=torch.int32)
+    for a, (ax, u) in enumerate(zip(axes, kv_tile)):
+        start, stop = tiles.axis_windows(ax)
+        lo = [bisect.bisect_right(stop, k) for k in range(ax.Lg)]
+        hi = [bisect.bisect_right(start, k) for k in range(ax.Lg)]
+        ranges[a, :ax.Lg] = torch.tensor([lo, hi], dtype=torch.int32).T
+        for tile in range(n_tiles[a]):
+            first, last = tile * u, min(tile * u + u, ax.Lg) - 1
+            spans[a, tile, :5] = torch.tensor([lo[first], hi[last], lo[last], max(hi[first], lo[last]), first],
+                                              dtype=torch.int32)
+    rows = torch.arange(math.prod(kv_tile))
+    u0, u1, u2 = kv_tile
+    key_offsets = torch.stack([rows // (u1 * u2), (rows // u2) % u1, rows % u2]).to(torch.int32)
+    return ranges, spans, key_offsets
+
+
+def plan(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
+    """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted; ``grads``: the (dK, dV) buffers
+    (``[B, N, Hkv, D]`` views) the launches write, whose strides are part of the plan."""
+    from . import launch
+
+    b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
+    pad = 3 - params.rank
+    axes = tiles.axes_of(params)
+    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS, QUERIES, inverse=True)
+    kv_tile, q_tile = (1,) * pad + tuple(kv_tile), (1,) * pad + tuple(q_tile)
+    window, programs = launch._window_args(params, kv_tile)
+    L, K, S, _, C = launch._axes3(params)
+    nu = tuple(window[12:15])
+    ranges, spans, key_offsets = (t.to(q4.device) for t in inverse_tables(params, kv_tile))
+    box, offset = hopper.half_box(kv_tile)
+    lse_strides = (params.num_tokens * hq, hq)
+    dk, dv = grads
+    scalars = (*launch._strides(dk), *launch._strides(dv), *lse_strides, hkv, hq // hkv, scale * kernels.LOG2E,
+               scale, *L, *nu, ranges.shape[1], spans.shape[1], *offset)
+    meta = dict(STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
+    fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *launch._strides(do4),
+                     *lse_strides, *launch._strides(dk), *launch._strides(dv), hkv, hq // hkv, d,
+                     scale * kernels.LOG2E, scale, *L, *K, *S, *nu)
+    fixup_meta = dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
+                      U0=kv_tile[0], U1=kv_tile[1], U2=kv_tile[2], BLOCK_D=d, IDX64=False,
+                      SUB=launch.gather_rows(d, d), num_warps=4, num_stages=1)
+    return HopperDkDv((programs, b * hkv), ranges, spans, key_offsets, scalars, meta,
+                      fixup_scalars, fixup_meta, launch.host_kv_layouts(params, k4, v4, box),
+                      launch.host_kv_layouts(params, q4, do4, q_tile))
+
+
+def run(bw: HopperDkDv, q4, k4, v4, do4, lse, delta, dk, dv) -> None:
+    """``dk`` and ``dv`` (``[B, N, Hkv, D]``) from ``lse`` and ``delta`` (``[B, N, Hq]`` float32) for the problem of
+    ``bw``."""
+    k_desc = hopper._descriptor(k4, *bw.kv_layouts[0])
+    v_desc = hopper._descriptor(v4, *bw.kv_layouts[1])
+    q_desc = hopper._descriptor(q4, *bw.q_layouts[0])
+    do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
+    flags = torch.empty(bw.programs * KEYS, dtype=torch.int8, device=q4.device)
+    na_bwd_dkdv_hopper_kernel[bw.grid](k_desc, v_desc, q_desc, do_desc, dk, dv, lse, delta, flags, bw.query_ranges,
+                                       bw.spans, bw.key_offsets, *bw.scalars, **bw.meta)
+    na_bwd_dkdv_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dk, dv, flags, *bw.fixup_scalars,
+                                          **bw.fixup_meta)
