@@ -8,6 +8,7 @@ a register spill or a missing ``wgmma`` / ``setmaxnreg`` shows before any device
 one Triton release to the next: check with the device's Triton version (a separate environment, e.g.
 ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``).
 """
+import math
 import os
 import sys
 
@@ -25,7 +26,7 @@ from ops.fused import hopper, hopper_dkdv  # noqa: E402
 # (kernel, query tile, key tile, head dim): the tiles ``tiles.choose_tiles`` gives 1-D, 2-D and 3-D problems
 CASES = [("fwd", (1, 8, 16), (1, 8, 16), 128), ("fwd", (2, 8, 8), (2, 8, 8), 128), ("fwd", (1, 8, 16), (2, 8, 8), 64),
          ("dkdv", (1, 1, 64), (1, 1, 128), 128), ("dkdv", (1, 8, 8), (1, 8, 16), 128),
-         ("dkdv", (4, 4, 4), (2, 8, 8), 128), ("dkdv", (1, 4, 16), (1, 8, 16), 64)]
+         ("dkdv", (4, 4, 4), (2, 8, 8), 128), ("dkdv", (1, 4, 16), (1, 8, 16), 64), ("dkdv", (1, 8, 8), (1, 8, 8), 128)]
 POINTERS = {"O": "*bf16", "QUERY_RANGES": "*i32", "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "FLAGS": "*i8",
             "STARTS": "*i32", "SPANS": "*i32", "ROW_OFFSETS": "*i32", "KEY_OFFSETS": "*i32"}
 FLOATS = ("qk_scale", "scale")
@@ -45,11 +46,16 @@ def compile_case(kernel, q_tile, kv_tile, dim):
     if kernel == "fwd":  # each consumer reads its half of the query box
         module, fn = hopper, hopper.na_fwd_hopper_kernel
         boxes = {"q_desc": hopper.half_box(q_tile)[0], "k_desc": kv_tile, "v_desc": kv_tile}
-    else:  # each consumer holds its half of the key box
+    else:  # each consumer holds 64 keys: its half of a 128-key tile, or all of a 64-key one
         module, fn = hopper_dkdv, hopper_dkdv.na_bwd_dkdv_hopper_kernel
-        half = hopper.half_box(kv_tile)[0]
-        boxes = {"k_desc": half, "v_desc": half, "q_desc": q_tile, "do_desc": q_tile}
+        keys = hopper.half_box(kv_tile)[0] if math.prod(kv_tile) == 128 else kv_tile
+        boxes = {"k_desc": keys, "v_desc": keys, "q_desc": q_tile, "do_desc": q_tile}
     constexprs = dict(STAGES_=module.STAGES, CONSUMER_REGS_=module.CONSUMER_REGS, PRODUCER_REGS_=module.PRODUCER_REGS)
+    options = {"num_warps": 4}
+    if kernel == "dkdv":
+        constexprs["CONSUMERS_"] = math.prod(kv_tile) // 64
+        if constexprs["CONSUMERS_"] == 1:
+            options["maxnreg"] = 128
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -61,7 +67,7 @@ def compile_case(kernel, q_tile, kv_tile, dim):
         else:
             signature[name] = "fp32" if name in FLOATS else "i32"
     compiled = triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4})
+                              options=options)
     ptx = compiled.asm["ptx"]
     return ptxas_usage(ptx), "wgmma" in ptx, ptx.count("setmaxnreg")
 

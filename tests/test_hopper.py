@@ -105,7 +105,7 @@ def test_dkdv_plan_and_reasons():
     q4 = torch.zeros(1, params.num_tokens, 4, 128, dtype=torch.bfloat16)
     k4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
     bw = hopper_dkdv.plan(q4, k4, k4, q4, params, 0.1, (k4, k4))
-    assert bw.grid == (256 * 256 // hopper_dkdv.KEYS, 2)  # one program per 128-key tile and kv head
+    assert bw.grid == (256 * 256 // 128, 2) and bw.meta["CONSUMERS_"] == 2  # a 128-key tile per program and kv head
     assert hopper_dkdv.unsupported(q4, k4, k4, q4, torch.zeros(4, 159, 159), params, 0.1) is not None
     assert hopper_dkdv.unsupported(q4, k4, k4, q4.float(), None, params, 0.1) is not None
     with hopper.disabled():
@@ -253,16 +253,45 @@ def _gradients(p, dtype, seed, poison_queries=None):
     return got, ref, (ref_in, ref_out, d_out)
 
 
-CASES["1d-causal-gqa"] = ((1500,), (1025,), (1,), (True,), 4, 1)  # (1-D forwards stay on the portable kernel)
+# dK/dV takes 128-key tiles (two consumers) where no query box needs a mask, else 64-key tiles (one consumer)
+DKDV_CASES = {
+    "2d-aligned-gqa": (((96, 64), (48, 32), (16, 16), (False, False), 4, 2), 2),
+    "3d-aligned": (((8, 32, 48), (4, 16, 16), (4, 16, 16), (False, False, False), 2, 2), 2),
+    "2d": (CASES["2d"], 1), "2d-causal-gqa": (CASES["2d-causal-gqa"], 1), "2d-strided": (CASES["2d-strided"], 1),
+    "3d-causal": (CASES["3d-causal"], 1), "3d-strided-padded": (CASES["3d-strided-padded"], 1),
+}
 
 
-# dK/dV: every problem once (mask-free: the strided ones), each dtype and head dim
+def _dkdv_problem(name, dim):
+    (spatial, kernel, stride, causal, heads, heads_kv), _ = DKDV_CASES[name]
+    return RandomProblem(spatial, kernel, stride, (1,) * len(spatial), causal, 2, heads, heads_kv, dim, dim, False)
+
+
+@pytest.mark.parametrize("name", DKDV_CASES)
+def test_dkdv_consumers_follow_the_mask(name):
+    p = _dkdv_problem(name, 128)
+    params = _params(p.spatial, p.kernel_size, p.stride, p.causal)
+    q4 = torch.zeros(2, params.num_tokens, p.heads, 128, dtype=torch.bfloat16)
+    k4 = torch.zeros(2, params.num_tokens, p.heads_kv, 128, dtype=torch.bfloat16)
+    assert hopper_dkdv.plan(q4, k4, k4, q4, params, 0.1, (k4, k4)).meta["CONSUMERS_"] == DKDV_CASES[name][1]
+
+
+def test_dkdv_leaves_1d_to_the_portable_kernel(monkeypatch):
+    monkeypatch.setattr(hopper, "sm90", lambda device: True)  # (on an sm_90 GPU)
+    monkeypatch.setattr(hopper.kernels, "interpreted", lambda: False)
+    params = _params((4096,), (1025,))
+    q4 = torch.zeros(1, 4096, 2, 128, dtype=torch.bfloat16)
+    assert "1-D" in hopper.unsupported(q4, q4, q4, None, params, 0.1, ranks=hopper_dkdv.RANKS)
+
+
+# dK/dV: both tile widths, every problem once, each dtype and head dim
 @pytest.mark.parametrize("name, dtype, dim", [
-    ("2d", torch.bfloat16, 128), ("2d-causal-gqa", torch.float16, 64), ("2d-strided", torch.float16, 128),
-    ("3d-causal", torch.bfloat16, 64), ("3d-strided-padded", torch.float16, 128), ("1d-causal-gqa", torch.bfloat16, 128)])
+    ("2d-aligned-gqa", torch.bfloat16, 128), ("3d-aligned", torch.float16, 64), ("2d", torch.bfloat16, 128),
+    ("2d-causal-gqa", torch.float16, 64), ("2d-strided", torch.float16, 128), ("3d-causal", torch.bfloat16, 64),
+    ("3d-strided-padded", torch.float16, 128)])
 @gpu
 def test_gpu_dkdv_matches_oracle(poisoned, name, dtype, dim):
-    p = _problem(name, dim)
+    p = _dkdv_problem(name, dim)
     got, ref, _ = _gradients(p, dtype, seed=len(name) * dim)
     for grad, g, r in zip("qkv", got, ref):
         assert g.dtype == dtype
@@ -274,7 +303,7 @@ def test_gpu_dkdv_nonfinite_queries_stay_in_their_windows(poisoned):
     """A NaN query reaches the dK / dV of exactly the keys in its window (the flagged key tiles are recomputed one
     window offset at a time); every other key's gradients are finite and match the oracle's from the same inputs with
     that query's output gradient zeroed."""
-    p = _problem("2d-strided", 64)
+    p = _dkdv_problem("2d-aligned-gqa", 64)
     bad = 1000
     got, _, (ref_in, _, d_out) = _gradients(p, torch.bfloat16, seed=7, poison_queries=[bad])
     q64, k64, v64 = (t.detach() for t in ref_in)

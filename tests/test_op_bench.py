@@ -51,6 +51,35 @@ def test_backend_calls_keep_their_own_backend_and_inputs(monkeypatch, backward):
         assert all(t is q for _, t in calls)
 
 
+def test_portable_backend_keeps_the_hopper_kernels_off_through_the_backward(monkeypatch):
+    """``fused-portable`` times the fused backend with the Hopper kernels off: in its forward and in its backward,
+    which autograd runs after the forward call has returned."""
+    from ops.fused import hopper
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(("forward", hopper.ENABLED))
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(("backward", hopper.ENABLED))
+            return grad
+
+    monkeypatch.setattr(bench.BenchProblem, "attention", lambda self, q, k, v, rpb, name: Probe.apply(q) * k + v)
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    p = bench.BenchProblem("tiny", 1, 1, 4, (4,), (3,))
+    q, k, v = (torch.randn(1, 4, 1, 4) for _ in range(3))
+    for name in (bench.PORTABLE, "fused"):
+        seen.clear()
+        bench._backend_call(p, name, q, k, v, None, torch.ones(1, 4, 1, 4))[1]()
+        assert seen == [("forward", name == "fused"), ("backward", name == "fused")]
+    assert hopper.ENABLED
+
+
 def test_rounds_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--rounds", "0"])

@@ -1,9 +1,10 @@
 """dK/dV on Hopper (sm_90): a warp-specialised Gluon kernel for large windows, the backward's partner of ``hopper``.
 
-One program owns a 128-key box of one kv head and walks the query boxes whose windows reach it (its inverse
+One program owns a box of keys of one kv head and walks the query boxes whose windows reach it (its inverse
 neighbourhood, every query head of the kv head's group in turn).  A one-warp producer copies each query box's Q and
-dO tiles (TMA) into two rings of shared-memory stages; two consumer warpgroups each own 64 of the keys, with their K
-and V rows held in shared memory for the whole loop, and per query box run
+dO tiles (TMA) into two rings of shared-memory stages; one consumer warpgroup per 64 keys (two on a 128-key box, one
+on a 64-key box: ``KEYS_UNMASKED`` / ``KEYS_MASKED``), with its K and V rows held in shared memory for the whole
+loop, runs per query box
 
     S^T = K Q^T,  dP^T = V dO^T   (wgmma, both issued before either is waited for)
     P^T = exp2(S^T * scale * log2(e) - lse),  dS^T = P^T (dP^T - delta)
@@ -16,9 +17,10 @@ of the two accumulating matmuls: no transpose through shared memory, which the p
 The window rules come from host tables (``inverse_tables``, from the windows of ``ops.window``), as for the
 forward: per axis, the queries whose windows hold each key position, and per key tile the queries reaching it
 ``[lo, hi)`` and those whose windows hold all of it ``[in_lo, in_hi)``.  A consumer reads its keys' query ranges
-once, so a masked box costs compares only, and a query box inside ``[in_lo, in_hi)`` on every axis skips them.  A program whose dK or dV holds a NaN or an infinity flags its rows, and ``na_bwd_dkdv_nonfinite_kernel``
-recomputes those programs one window offset at a time (``kernels._dkdv_by_offset``), so non-finite inputs stay
-inside the windows that hold them, as on the portable kernel.
+once, so a masked box costs compares only (through the score matmul's initial value), and a query box inside
+``[in_lo, in_hi)`` on every axis skips them.  A program whose dK or dV holds a NaN or an infinity flags its rows, and
+``na_bwd_dkdv_nonfinite_kernel`` recomputes those programs one window offset at a time (``kernels._dkdv_by_offset``),
+so non-finite inputs stay inside the windows that hold them, as on the portable kernel.
 
 It runs where ``hopper.unsupported`` accepts the problem (no RPB, no dilation, 16-bit, head dim 64 or 128, large
 windows) for the ranks in ``RANKS``; everything else takes the portable kernel.
@@ -41,9 +43,14 @@ gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
     from .hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-KEYS = 128  # keys per program: two consumer warpgroups of 64
+# Keys per program, a consumer warpgroup per 64: where no query box needs a mask (the strided problems) two consumers
+# share a 128-key tile; elsewhere one consumer owns a 64-key tile (two programs per SM), whose query boxes reach fewer
+# queries outside its keys' windows.  (Backward on an H100, against 128-key tiles: 2d-flux 0.7% and 3d-hunyuan 2%
+# faster, 2d-flux-s16 10% and 3d-hunyuan-s16x8x8 11% slower; docs/fused.md.)
+KEYS_UNMASKED = 128
+KEYS_MASKED = 64
 QUERIES = 64  # queries per box (the score tiles' columns)
-RANKS = (1, 2, 3)
+RANKS = (2, 3)  # 1-D problems ran slower than on the portable kernel (docs/fused.md)
 STAGES = 2  # Q / dO stages in shared memory
 CONSUMER_REGS = 240  # dK and dV accumulate in registers: 128 of a consumer thread's registers at head dim 128
 PRODUCER_REGS = 24
@@ -107,7 +114,7 @@ if gluon is not None:
 
         # the key rows' places in the 128-key box (clamped past an axis' end: those rows are never stored), and the
         # queries reaching each: loop invariants, so the mask costs compares only
-        r = half * rows + gl.arange(0, rows, layout=s_rows)
+        r = half * rows + gl.arange(0, rows, layout=s_rows)  # (rows: 64, one wgmma tile)
         lo0, hi0 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 0, first0, r, LMAX)
         lo1, hi1 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 1, first1, r, LMAX)
         lo2, hi2 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 2, first2, r, LMAX)
@@ -184,7 +191,7 @@ if gluon is not None:
         # keys past an axis' end (zero-filled, never stored) may overflow on their own rows: not flagged
         # a NaN or an infinity in a row reaches its sum (a false alarm, a sum overflowing, costs only the fixup)
         nonfinite = ((gl.sum(dk, 1) + gl.sum(dv, 1)) * 0.0 != 0.0) & k_ok
-        gl.store(FLAGS + program * 128 + ro, nonfinite.to(gl.int8))
+        gl.store(FLAGS + program * (rows * k_smem.type.shape[0]) + ro, nonfinite.to(gl.int8))
         tok = (kc0 * L1 + kc1) * L2 + kc2
         d = gl.arange(0, block_d, layout=gl.SliceLayout(0, o_layout))
         gl.store(DK + b.to(gl.int64) * skb + hk * skh + tok[:, None] * skt + d[None, :], dk.to(dtype),
@@ -196,9 +203,10 @@ if gluon is not None:
     def na_bwd_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, FLAGS, QUERY_RANGES, SPANS,
                                   KEY_OFFSETS, skb, skt, skh, svb, svt, svh, slb, slt, HKV, GROUP, qk_scale, scale,
                                   L0, L1, L2, NU0, NU1, NU2, LMAX, NUMAX, half0, half1, half2,
-                                  STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
-        # k_desc / v_desc: K and V as [B, L0, L1, L2, heads * D] in boxes of half the key tile (``hopper.half_box``;
-        # ``half*``: the second half's offset per axis); q_desc / do_desc: Q and dO in query boxes.
+                                  CONSUMERS_: gl.constexpr, STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+                                  PRODUCER_REGS_: gl.constexpr):
+        # k_desc / v_desc: K and V as [B, L0, L1, L2, heads * D] in boxes of 64 keys, one per consumer warpgroup
+        # (two: halves of the key tile, ``hopper.half_box``; ``half*``: the second half's offset per axis); q_desc / do_desc: Q and dO in query boxes.
         # QUERY_RANGES[axis, position] = [lo, hi) of the queries whose windows hold the key; SPANS[axis, key tile] = (lo, hi, in_lo, in_hi, first
         # key, -, -, -): the queries reaching the tile, those whose windows hold all of it, its first key;
         # KEY_OFFSETS[axis, row] = the row's offset from the tile's first key.  FLAGS[program, row] = 1 where the
@@ -228,8 +236,8 @@ if gluon is not None:
         n12 = gl.cdiv(gl.maximum(qh1 - ql1, 0), T1) * n2
         n_tiles = gl.cdiv(gl.maximum(qh0 - ql0, 0), T0) * n12
 
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS_] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS_] + v_desc.block_type.shape, v_desc.layout)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES_] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES_] + do_desc.block_type.shape, do_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
@@ -240,30 +248,34 @@ if gluon is not None:
         for i in gl.static_range(STAGES_):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)  # both consumers hand a stage back
-            mbarrier.init(do_empty.index(i), count=2)
+            mbarrier.init(q_empty.index(i), count=CONSUMERS_)  # every consumer hands a stage back
+            mbarrier.init(do_empty.index(i), count=CONSUMERS_)
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
         col = hk * BLOCK_D
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        mbarrier.expect(kv_bar, CONSUMERS_ * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         tma.async_copy_global_to_shared(k_desc, [b, first0, first1, first2, col], kv_bar, k_smem.index(0))
-        tma.async_copy_global_to_shared(k_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], kv_bar,
-                                        k_smem.index(1))
         tma.async_copy_global_to_shared(v_desc, [b, first0, first1, first2, col], kv_bar, v_smem.index(0))
-        tma.async_copy_global_to_shared(v_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], kv_bar,
-                                        v_smem.index(1))
+        if CONSUMERS_ == 2:
+            tma.async_copy_global_to_shared(k_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], kv_bar,
+                                            k_smem.index(1))
+            tma.async_copy_global_to_shared(v_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], kv_bar,
+                                            v_smem.index(1))
 
         args = (k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, DK, DV, LSE, DELTA,
                 FLAGS, QUERY_RANGES, KEY_OFFSETS, b, hk, GROUP, program, first0, first1, first2, ql0, ql1, ql2, in_lo0,
                 in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, skb, skt, skh, svb, svt, svh, slb, slt,
                 qk_scale, scale, L0, L1, L2, LMAX)
-        gl.warp_specialize([
-            (_consume_keys, args + (gl.to_tensor(0),)),  # the consumer's half of the key box
-            (_consume_keys, args + (gl.to_tensor(1),)),
-            (_load_queries, (q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, do_ready, do_empty, b, hk, GROUP,
-                             ql0, ql1, ql2, n12, n2, n_tiles)),
-        ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+        loads = (q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, do_ready, do_empty, b, hk, GROUP, ql0, ql1, ql2,
+                 n12, n2, n_tiles)
+        if CONSUMERS_ == 2:
+            gl.warp_specialize([(_consume_keys, args + (gl.to_tensor(0),)),  # the consumer's half of the key box
+                                (_consume_keys, args + (gl.to_tensor(1),)), (_load_queries, loads)],
+                               [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+        else:
+            gl.warp_specialize([(_consume_keys, args + (gl.to_tensor(0),)), (_load_queries, loads)], [1],
+                               [PRODUCER_REGS_])
 
 
 @triton.jit
@@ -342,7 +354,7 @@ def inverse_tables(params: NAParams, kv_tile) -> tuple[torch.Tensor, torch.Tenso
             first, last = tile * u, min(tile * u + u, ax.Lg) - 1
             spans[a, tile, :5] = torch.tensor([lo[first], hi[last], lo[last], max(hi[first], lo[last]), first],
                                               dtype=torch.int32)
-    rows = torch.arange(math.prod(kv_tile))
+    rows = torch.arange(128)  # (the kernel's row stride; a 64-key tile uses the first half)
     u0, u1, u2 = kv_tile
     key_offsets = torch.stack([rows // (u1 * u2), (rows // u2) % u1, rows % u2]).to(torch.int32)
     return ranges, spans, key_offsets
@@ -356,18 +368,24 @@ def plan(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
     pad = 3 - params.rank
     axes = tiles.axes_of(params)
-    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS, QUERIES, inverse=True)
+    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS_UNMASKED, QUERIES, inverse=True)
+    if tiles.partial_axes(axes, kv_tile, q_tile, inverse=True) > 0:
+        kv_tile, q_tile = tiles.choose_tiles(axes, KEYS_MASKED, QUERIES, inverse=True)
     kv_tile, q_tile = (1,) * pad + tuple(kv_tile), (1,) * pad + tuple(q_tile)
     window, programs = launch._window_args(params, kv_tile)
     L, K, S, _, C = launch._axes3(params)
     nu = tuple(window[12:15])
     ranges, spans, key_offsets = (t.to(q4.device) for t in inverse_tables(params, kv_tile))
-    box, offset = hopper.half_box(kv_tile)
+    consumers = math.prod(kv_tile) // 64
+    box, offset = hopper.half_box(kv_tile) if consumers == 2 else (kv_tile, (0, 0, 0))
     lse_strides = (params.num_tokens * hq, hq)
     dk, dv = grads
     scalars = (*launch._strides(dk), *launch._strides(dv), *lse_strides, hkv, hq // hkv, scale * kernels.LOG2E,
                scale, *L, *nu, ranges.shape[1], spans.shape[1], *offset)
-    meta = dict(STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
+    meta = dict(CONSUMERS_=consumers, STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
+                num_warps=4)
+    if consumers == 1:  # two programs per SM: half the register file each, rebalanced towards the consumer
+        meta["maxnreg"] = 128
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *launch._strides(do4),
                      *lse_strides, *launch._strides(dk), *launch._strides(dv), hkv, hq // hkv, d,
                      scale * kernels.LOG2E, scale, *L, *K, *S, *nu)
@@ -386,7 +404,7 @@ def run(bw: HopperDkDv, q4, k4, v4, do4, lse, delta, dk, dv) -> None:
     v_desc = hopper._descriptor(v4, *bw.kv_layouts[1])
     q_desc = hopper._descriptor(q4, *bw.q_layouts[0])
     do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
-    flags = torch.empty(bw.programs * KEYS, dtype=torch.int8, device=q4.device)
+    flags = torch.empty(bw.programs * bw.meta["CONSUMERS_"] * 64, dtype=torch.int8, device=q4.device)
     na_bwd_dkdv_hopper_kernel[bw.grid](k_desc, v_desc, q_desc, do_desc, dk, dv, lse, delta, flags, bw.query_ranges,
                                        bw.spans, bw.key_offsets, *bw.scalars, **bw.meta)
     na_bwd_dkdv_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dk, dv, flags, *bw.fixup_scalars,
