@@ -6,7 +6,7 @@
     python -m ops.bench --custom "mine:2,8,64,64x64,13x13,1,1,0"   # name:B,H,D,spatial,K,stride,dilation,causal
     python -m ops.bench --out results/op_bench       # writes op_bench.csv and op_bench.json
     python -m ops.bench --rounds 5 --rep 300         # SDPA and the backends timed in 5 alternating rounds
-    python -m ops.bench --backends fused,fused-portable   # the fused backend with and without its Hopper kernel
+    python -m ops.bench --backends fused,fused-portable   # the fused backend with and without its Hopper kernels
 
 Per problem and backend: median ms (CUDA events through ``triton.testing.do_bench``; with ``--rounds N`` the median
 of N rounds that time SDPA and every backend in turn, so clock drift between them does not bias E), effective
@@ -207,7 +207,8 @@ def _reference_sample(q, k, v, rpb, params, scale, samples, gen):
     return idx, out
 
 
-# the fused backend with its Hopper kernel turned off (``ops/fused/hopper.py``), to time the two side by side
+# the fused backend with its Hopper kernels turned off (``ops/fused/hopper.py``, ``hopper_dkdv.py``), to time the two
+# side by side
 PORTABLE = "fused-portable"
 
 
