@@ -79,6 +79,18 @@ if gluon is not None:
     # offsets inside the query box come from a table (``ROW_OFFSETS``), and the two switches are runtime flags.
 
     @gluon.jit
+    def _program_tile(N1, N2):
+        """The program's tile per axis (grid axis 0; the last axis fastest)."""
+        pid = gl.program_id(0)
+        return pid // (N1 * N2), (pid // N2) % N1, pid % N2
+
+    @gluon.jit
+    def _span(SPANS, axis, tile, NMAX):
+        """A tile's row of ``SPANS`` on one axis: ``(lo, hi, in_lo, in_hi, first)``."""
+        row = SPANS + (axis * NMAX + tile) * 8
+        return gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4)
+
+    @gluon.jit
     def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, col, lo0, lo1, lo2, n12, n2,
                  n_tiles):
         """Producer: the program's key boxes in loop order, each K and V box into the next free stage (K and V
@@ -236,20 +248,13 @@ if gluon is not None:
         # stop) of the position's window; SPANS[axis, tile] = (lo, hi, in_lo, in_hi, first query, -, -, -) of a query
         # tile; ROW_OFFSETS[axis, row] = the row's offset from the tile's first query.  FLAGS[program, row] = 1 where
         # the row's result holds a NaN / inf.  ``store_lse`` / ``mask``: runtime switches (see the partitions).
-        pid = gl.program_id(0)
-        bh = gl.program_id(1)
-        program = bh * gl.num_programs(0) + pid
-        b = bh // HQ
-        h = bh % HQ
-        tile2 = pid % NT2
-        tile1 = (pid // NT2) % NT1
-        tile0 = pid // (NT1 * NT2)
-        span0 = SPANS + (0 * NTMAX + tile0) * 8
-        span1 = SPANS + (1 * NTMAX + tile1) * 8
-        span2 = SPANS + (2 * NTMAX + tile2) * 8
-        lo0, hi0, in_lo0, in_hi0 = gl.load(span0), gl.load(span0 + 1), gl.load(span0 + 2), gl.load(span0 + 3)
-        lo1, hi1, in_lo1, in_hi1 = gl.load(span1), gl.load(span1 + 1), gl.load(span1 + 2), gl.load(span1 + 3)
-        lo2, hi2, in_lo2, in_hi2 = gl.load(span2), gl.load(span2 + 1), gl.load(span2 + 2), gl.load(span2 + 3)
+        program = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        b = gl.program_id(1) // HQ
+        h = gl.program_id(1) % HQ
+        tile0, tile1, tile2 = _program_tile(NT1, NT2)
+        lo0, hi0, in_lo0, in_hi0, first0 = _span(SPANS, 0, tile0, NTMAX)
+        lo1, hi1, in_lo1, in_hi1, first1 = _span(SPANS, 1, tile1, NTMAX)
+        lo2, hi2, in_lo2, in_hi2, first2 = _span(SPANS, 2, tile2, NTMAX)
         U0: gl.constexpr = k_desc.block_type.shape[1]
         U1: gl.constexpr = k_desc.block_type.shape[2]
         U2: gl.constexpr = k_desc.block_type.shape[3]
@@ -274,9 +279,6 @@ if gluon is not None:
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
-        first0 = gl.load(span0 + 4)
-        first1 = gl.load(span1 + 4)
-        first2 = gl.load(span2 + 4)
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, first0, first1, first2, h * BLOCK_D], q_bar, q_smem.index(0))
         tma.async_copy_global_to_shared(q_desc, [b, first0 + half0, first1 + half1, first2 + half2, h * BLOCK_D],

@@ -41,7 +41,8 @@ from ..window import NAParams
 
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
-    from .hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from .hopper import (_program_tile, _span, fence_async_shared, mbarrier, tma, warpgroup_mma,
+                         warpgroup_mma_wait)
 
 # Keys per program, a consumer warpgroup per 64: where no query box needs a mask (the strided problems) two consumers
 # share a 128-key tile; elsewhere one consumer owns a 64-key tile (two programs per SM), whose query boxes reach fewer
@@ -91,9 +92,9 @@ if gluon is not None:
 
     @gluon.jit
     def _consume_keys(k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, DK, DV, LSE,
-                      DELTA, FLAGS, QUERY_RANGES, KEY_OFFSETS, b, hk, group, program, first0, first1, first2, ql0, ql1, ql2,
-                      in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, skb, skt, skh, svb, svt, svh,
-                      slb, slt, qk_scale, scale, L0, L1, L2, LMAX, half):
+                      DELTA, FLAGS, QUERY_RANGES, KEY_OFFSETS, b, hk, group, program, first0, first1, first2, ql0,
+                      ql1, ql2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, skb, skt, skh, svb,
+                      svt, svh, slb, slt, qk_scale, scale, L0, L1, L2, LMAX, half):
         """Consumer: dK and dV of 64 keys over every query box the producer stages, then their flags and stores."""
         stages: gl.constexpr = q_smem.type.shape[0]
         T0: gl.constexpr = q_smem.type.shape[2]
@@ -206,28 +207,18 @@ if gluon is not None:
                                   CONSUMERS_: gl.constexpr, STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                                   PRODUCER_REGS_: gl.constexpr):
         # k_desc / v_desc: K and V as [B, L0, L1, L2, heads * D] in boxes of 64 keys, one per consumer warpgroup
-        # (two: halves of the key tile, ``hopper.half_box``; ``half*``: the second half's offset per axis); q_desc / do_desc: Q and dO in query boxes.
-        # QUERY_RANGES[axis, position] = [lo, hi) of the queries whose windows hold the key; SPANS[axis, key tile] = (lo, hi, in_lo, in_hi, first
-        # key, -, -, -): the queries reaching the tile, those whose windows hold all of it, its first key;
-        # KEY_OFFSETS[axis, row] = the row's offset from the tile's first key.  FLAGS[program, row] = 1 where the
-        # key's dK or dV holds a NaN / inf.
-        pid = gl.program_id(0)
-        bh = gl.program_id(1)
-        program = bh * gl.num_programs(0) + pid
-        b = bh // HKV
-        hk = bh % HKV
-        tile2 = pid % NU2
-        tile1 = (pid // NU2) % NU1
-        tile0 = pid // (NU1 * NU2)
-        span0 = SPANS + (0 * NUMAX + tile0) * 8
-        span1 = SPANS + (1 * NUMAX + tile1) * 8
-        span2 = SPANS + (2 * NUMAX + tile2) * 8
-        ql0, qh0, in_lo0, in_hi0 = gl.load(span0), gl.load(span0 + 1), gl.load(span0 + 2), gl.load(span0 + 3)
-        ql1, qh1, in_lo1, in_hi1 = gl.load(span1), gl.load(span1 + 1), gl.load(span1 + 2), gl.load(span1 + 3)
-        ql2, qh2, in_lo2, in_hi2 = gl.load(span2), gl.load(span2 + 1), gl.load(span2 + 2), gl.load(span2 + 3)
-        first0 = gl.load(span0 + 4)
-        first1 = gl.load(span1 + 4)
-        first2 = gl.load(span2 + 4)
+        # (two: halves of the key tile, ``hopper.half_box``; ``half*``: the second half's offset per axis);
+        # q_desc / do_desc: Q and dO in query boxes.  QUERY_RANGES[axis, position] = [lo, hi) of the queries whose
+        # windows hold the key; SPANS[axis, key tile] = (lo, hi, in_lo, in_hi, first key, -, -, -): the queries
+        # reaching the tile, those whose windows hold all of it, its first key; KEY_OFFSETS[axis, row] = the row's
+        # offset from the tile's first key.  FLAGS[program, row] = 1 where the key's dK or dV holds a NaN / inf.
+        program = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        b = gl.program_id(1) // HKV
+        hk = gl.program_id(1) % HKV
+        tile0, tile1, tile2 = _program_tile(NU1, NU2)
+        ql0, qh0, in_lo0, in_hi0, first0 = _span(SPANS, 0, tile0, NUMAX)
+        ql1, qh1, in_lo1, in_hi1, first1 = _span(SPANS, 1, tile1, NUMAX)
+        ql2, qh2, in_lo2, in_hi2, first2 = _span(SPANS, 2, tile2, NUMAX)
         T0: gl.constexpr = q_desc.block_type.shape[1]
         T1: gl.constexpr = q_desc.block_type.shape[2]
         T2: gl.constexpr = q_desc.block_type.shape[3]
