@@ -27,6 +27,19 @@ def poison_torch_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned_empty)
 
 
+SLOW_TESTS = frozenset(
+    line.strip() for line in open(os.path.join(os.path.dirname(__file__), "slow_tests.txt"), encoding="utf-8")
+    if line.strip() and not line.startswith("#"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests listed in ``slow_tests.txt`` as ``slow``."""
+    for item in items:
+        if item.nodeid in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_sessionfinish(session, exitstatus):
     # pytest exits 5 when nothing was collected; make sure CI can never pass on an empty selection.
     if exitstatus == 0 and session.testscollected == 0:
