@@ -15,12 +15,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Builds a small model, counts dynamo's graphs and breaks before any eager call, then runs compiled
+# Builds a small model, counts dynamo's graphs and breaks before any eager call, then runs ``steps`` compiled
 # training steps (forward + backward, aot_eager) with recompiles turned into errors.
 SCRIPT = textwrap.dedent("""
     import json, sys, torch, timm
     import namodels  # noqa: F401
-    name, kwargs, shape = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    name, kwargs, shape, steps = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
     torch.manual_seed(0)
     model = timm.create_model(name, backend="fused", **kwargs).train()
     x = torch.randn(*shape)
@@ -29,9 +29,10 @@ SCRIPT = textwrap.dedent("""
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     torch._dynamo.config.error_on_recompile = True
-    for step in range(2):
+    for step in range(steps):
         compiled(x).float().square().mean().backward()
-    grads = all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    grads = steps > 0 and all(p.grad is not None and torch.isfinite(p.grad).all()
+                              for p in model.parameters() if p.requires_grad)
     print(json.dumps(dict(graphs=explained.graph_count, breaks=explained.graph_break_count, reasons=reasons,
                           grads=bool(grads))))
 """)
@@ -39,9 +40,9 @@ SCRIPT = textwrap.dedent("""
 TINY = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4))
 
 
-def _compile_report(name: str, kwargs: dict, shape) -> dict:
+def _compile_report(name: str, kwargs: dict, shape, steps: int = 2) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, name, json.dumps(kwargs), json.dumps(shape)],
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, name, json.dumps(kwargs), json.dumps(shape), str(steps)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -58,6 +59,14 @@ def test_fused_models_compile_to_one_graph_without_recompiles(name, kwargs, shap
     assert report["breaks"] == 0, report["reasons"]
     assert report["graphs"] == 1
     assert report["grads"]
+
+
+def test_nat_traces_to_one_graph_before_any_eager_call():
+    """The default selection's share of the test above (whose runs are ``slow``): NAT / DiNAT blocks traced by dynamo
+    in a fresh process, one graph and no break, without the compiled training steps."""
+    report = _compile_report("dinat_mini", dict(TINY, dilations=((1,), (1,), (1, 2), (1,))), [1, 3, 32, 32], steps=0)
+    assert report["breaks"] == 0, report["reasons"]
+    assert report["graphs"] == 1
 
 
 @pytest.mark.parametrize("packed_drops_lse", [True, False])
