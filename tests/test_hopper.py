@@ -32,7 +32,7 @@ def _params(spatial, kernel, stride=None, causal=None):
 def _plan(spatial, kernel, stride=None, heads=2, dim=128, batch=1):
     params = _params(spatial, kernel, stride)
     q4 = torch.zeros(batch, params.num_tokens, heads, dim, dtype=torch.bfloat16)
-    return hopper.plan(q4, q4, q4, params, dim**-0.5, True, masked_too=True)
+    return hopper.plan(q4, q4, q4, params, dim**-0.5, True)
 
 
 def test_mask_only_where_some_tile_is_partial():
@@ -40,9 +40,7 @@ def test_mask_only_where_some_tile_is_partial():
     # exactly; the unstrided problem has tiles partly outside some query's window
     assert not _plan((256, 256), (80, 80), (16, 16)).masked
     assert _plan((256, 256), (80, 80)).masked
-    params = _params((256, 256), (80, 80))
-    q4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
-    assert not hopper.MASKED and hopper.plan(q4, q4, q4, params, 0.1, True) is None  # left to the portable kernel
+    assert not _plan((32768,), (2048,), (256,)).masked and _plan((32768,), (2048,)).masked
     fw = _plan((30, 48, 80), (18, 24, 24))
     assert fw.masked and len(fw.q_tile) == 3 and len(fw.kv_tile) == 3
     assert fw.q_tile[0] * fw.q_tile[1] * fw.q_tile[2] == hopper.ROWS
@@ -140,9 +138,7 @@ def gpu(test):
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """Every buffer the kernels write starts as NaN; plans start empty and end empty; masked launches take the
-    Hopper kernel too (the planner leaves them to the portable one by default)."""
-    monkeypatch.setattr(hopper, "MASKED", True)
+    """Every buffer the kernels write starts as NaN; plans start empty and end empty."""
     monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
                                                                                      device=device))
     launch._FORWARD.clear()
@@ -156,6 +152,8 @@ TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 CASES = {
     # (spatial, kernel, stride, causal, heads, heads_kv)
+    "1d-causal-gqa": ((2000,), (1025,), (1,), (True,), 4, 2),
+    "1d-strided": ((4096,), (1024,), (256,), (False,), 2, 2),
     "2d": ((48, 40), (33, 33), (1, 1), (False, False), 2, 1),
     "2d-causal-gqa": ((40, 48), (32, 33), (1, 4), (True, False), 4, 2),
     "2d-strided": ((64, 64), (32, 32), (16, 16), (False, False), 2, 2),
@@ -191,6 +189,7 @@ def _rel_err(got, ref):
 
 # every problem once, each dtype and head dim on masked and mask-free launches
 @pytest.mark.parametrize("name, dtype, dim", [
+    ("1d-causal-gqa", torch.bfloat16, 128), ("1d-strided", torch.float16, 64),
     ("2d", torch.bfloat16, 128), ("2d-causal-gqa", torch.float16, 64), ("2d-strided", torch.bfloat16, 64),
     ("2d-strided", torch.float16, 128), ("3d-causal", torch.bfloat16, 128), ("3d-causal", torch.float16, 64),
     ("3d-strided-padded", torch.bfloat16, 64)])

@@ -4,9 +4,10 @@ One program owns a 128-row query box and three roles run side by side in it: a o
 K and V bulk copies (TMA, N-D boxes) into two rings of shared-memory stages; two consumer warpgroups each own 64
 of the box's rows and run the score matmul, the online softmax and the value matmul (wgmma) on every key box, then
 hand its K and V stages back (each as soon as its matmul is done).  Stages pass between the roles through
-mbarriers, so the copies, the matmuls and one consumer's softmax overlap the other consumer's work, where the
-portable kernel (``kernels.na_fwd_kernel``) runs all of it in one warpgroup and its softmax waits for its own
-matmuls.
+mbarriers.  Inside a consumer the next box's score matmul and this box's value matmul are issued together, and
+the next box's softmax runs while the value matmul is still on the tensor cores (FlashAttention-3's order); the two
+consumers issue their matmuls in turns, so one's softmax overlaps the other's matmuls.  The portable kernel
+(``kernels.na_fwd_kernel``) runs all of it in one warpgroup, and its softmax waits for its own matmuls.
 
 The window rules stay on the host (``window_tables``, from ``ops.window``): per axis, each position's window
 ``[start, stop)``; each query tile's key span ``[lo, hi)``, the part ``[in_lo, in_hi)`` inside every row's window
@@ -18,10 +19,10 @@ A program whose result holds a NaN or an infinity flags its rows; ``na_fwd_nonfi
 recomputes the flagged programs one window offset at a time (``kernels._attend_by_offset``), which keeps non-finite
 values inside the windows that hold them, as the portable kernel does.
 
-It runs where it is built for and measured faster: 2-D and 3-D launches that mask no key box, 16-bit inputs, head
-dim 64 or 128 (= value dim), no RPB, positive scale, no dilation, heads packed per token, and windows of at least
-``MIN_WINDOW`` keys (small windows waste most of a 128 x 128 tile).  Everything else, and any GPU but sm_90, takes
-the portable kernel; ``NAMODELS_HOPPER=0`` (or ``disabled()``) forces it, for ``hopper_dkdv`` too.
+It runs where it is built for and measured faster: 1-D, 2-D and 3-D problems, 16-bit inputs, head dim 64 or 128
+(= value dim), no RPB, positive scale, no dilation, heads packed per token, and windows of at least ``MIN_WINDOW``
+keys (small windows waste most of a 128 x 128 tile).  Everything else, and any GPU but sm_90, takes the portable
+kernel; ``NAMODELS_HOPPER=0`` (or ``disabled()``) forces it, for ``hopper_dkdv`` too.
 """
 from __future__ import annotations
 
@@ -52,11 +53,8 @@ ROWS = 128  # query rows per program: two consumer warpgroups of 64
 COLS = 128  # keys per stage
 HEAD_DIMS = (64, 128)
 MIN_WINDOW = 1024
-RANKS = (2, 3)  # 1-D problems ran slower than on the portable kernel (docs/fused.md)
-# Launches that mask some key box (windows not aligned to the tiles: the unstrided problems) measured no faster than
-# on the portable kernel (docs/fused.md), so they stay there; the tests turn this on to check that path as well.
-MASKED = False
-STAGES = 2  # K/V stages in shared memory (64 KB each at head dim 128)
+RANKS = (1, 2, 3)
+STAGES = 2  # K/V stages in shared memory (64 KB each at head dim 128); three measured no faster
 CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg); the producer runs on 24
 PRODUCER_REGS = 24
 
@@ -161,20 +159,24 @@ if gluon is not None:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _values(acc, alpha, p, v_smem, v_ready, t, o_rows: gl.constexpr, p_layout: gl.constexpr,
-                cols: gl.constexpr, block_d: gl.constexpr):
-        """Rescales the output rows and issues ``acc += p @ V[t]`` once the V box is in (asynchronous)."""
-        stages: gl.constexpr = v_smem.type.shape[0]
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        mbarrier.wait(v_ready.index(t % stages), (t // stages) & 1)
-        return warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout),
-                             v_smem.index(t % stages).reshape([cols, block_d]), acc, is_async=True)
+    def _await_turn(turns, half, j):
+        """The consumers issue their matmuls in turns (FlashAttention-3's warpgroup scheduling), so that one's softmax
+        runs while the other's matmuls hold the tensor cores: consumer 0's turn ``j`` follows consumer 1's turn
+        ``j - 1``, consumer 1's follows consumer 0's turn ``j`` (a fresh barrier passes a wait on parity 1)."""
+        mbarrier.wait(turns.index(half), (j + half + 1) & 1)
 
     @gluon.jit
-    def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
-                 b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                 n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, half):
-        """Consumer: 64 query rows against every stage the producer fills, then their output, lse and flags."""
+    def _pass_turn(turns, half):
+        mbarrier.arrive(turns.index(1 - half), count=1)
+
+    @gluon.jit
+    def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, turns, O, LSE, FLAGS, STARTS,
+                 ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
+                 in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask,
+                 half):
+        """Consumer: 64 query rows against every stage the producer fills, then their output, lse and flags.
+        FlashAttention-3's order: the next box's scores and this box's values are issued together, and the next box's
+        softmax runs while the value matmul is on the tensor cores."""
         stages: gl.constexpr = k_smem.type.shape[0]
         U0: gl.constexpr = k_smem.type.shape[2]
         U1: gl.constexpr = k_smem.type.shape[3]
@@ -206,21 +208,42 @@ if gluon is not None:
         q = q_smem.index(half).reshape([h_rows, block_d])
         mbarrier.wait(q_bar, 0)
         mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q, k_smem, 0, h_rows, cols, block_d, s_layout),))
+        _await_turn(turns, half, 0)
+        s = _scores(q, k_smem, 0, h_rows, cols, block_d, s_layout)
+        _pass_turn(turns, half)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        for t in range(n_tiles):
+        if mask:
+            s = _mask_box(s, 0, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                          start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        for t in range(n_tiles - 1):
+            nxt = t + 1
+            mbarrier.wait(k_ready.index(nxt % stages), (nxt // stages) & 1)
+            mbarrier.wait(v_ready.index(t % stages), (t // stages) & 1)
+            _await_turn(turns, half, nxt)
+            s = _scores(q, k_smem, nxt % stages, h_rows, cols, block_d, s_layout)
+            acc = warpgroup_mma(p, v_smem.index(t % stages).reshape([cols, block_d]), acc, is_async=True)
+            _pass_turn(turns, half)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            mbarrier.arrive(k_empty.index(nxt % stages), count=1)
             if mask:
-                s = _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
+                s = _mask_box(s, nxt, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
                               start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            acc = _values(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout, cols, block_d)
+            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            p_next = gl.convert_layout(p_next.to(dtype), p_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(t % stages), count=1)
-            if t + 1 < n_tiles:
-                mbarrier.wait(k_ready.index((t + 1) % stages), ((t + 1) // stages) & 1)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(
-                    _scores(q, k_smem, (t + 1) % stages, h_rows, cols, block_d, s_layout),))
-                mbarrier.arrive(k_empty.index((t + 1) % stages), count=1)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            p = p_next
+        last = n_tiles - 1
+        mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
+        _await_turn(turns, half, n_tiles)
+        acc = warpgroup_mma(p, v_smem.index(last % stages).reshape([cols, block_d]), acc, is_async=True)
+        _pass_turn(turns, half)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last % stages), count=1)
 
         l_i = gl.where(l_i > 0.0, l_i, 1.0)  # rows past an axis' end (zero queries) are never stored
         out = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
@@ -271,6 +294,9 @@ if gluon is not None:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
         for i in gl.static_range(STAGES_):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -284,9 +310,9 @@ if gluon is not None:
         tma.async_copy_global_to_shared(q_desc, [b, first0 + half0, first1 + half1, first2 + half2, h * BLOCK_D],
                                         q_bar, q_smem.index(1))
 
-        args = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, O, LSE, FLAGS, STARTS, ROW_OFFSETS,
-                b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
+        args = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, turns, O, LSE, FLAGS, STARTS,
+                ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2,
+                in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
         gl.warp_specialize([
             (_consume, args + (gl.to_tensor(0),)),  # the consumer's half of the query box
             (_consume, args + (gl.to_tensor(1),)),
@@ -404,10 +430,8 @@ def window_tables(params: NAParams, q_tile, device) -> tuple[torch.Tensor, torch
     return starts.to(device), spans.to(device), row_offsets.to(device)
 
 
-def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool,
-         masked_too: bool | None = None) -> HopperForward | None:
-    """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted; None where its launch would mask
-    some key box and ``masked_too`` (default ``MASKED``) is off."""
+def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperForward:
+    """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted."""
     from . import launch
 
     b, n, hq, hkv, d = q4.shape[0], params.num_tokens, q4.shape[-2], k4.shape[-2], q4.shape[-1]
@@ -416,8 +440,6 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool,
     q_tile, kv_tile = tiles.choose_tiles(axes, ROWS, COLS)
     q_tile, kv_tile = (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile)
     masked = tiles.partial_axes(axes, q_tile[pad:], kv_tile[pad:]) > 0
-    if masked and not (MASKED if masked_too is None else masked_too):
-        return None
     window, programs = launch._window_args(params, q_tile)
     L, K, S, _, C = launch._axes3(params)
     nt = tuple(window[12:15])

@@ -406,7 +406,7 @@ def _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors):
     # k / v alignment decides whether their tiles can be bulk copies (tma_eligible)
     return (params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], q.dtype, q.device,
             _rpb_layout(rpb), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse, BIAS_TILES, autotune.state(),
-            autotune.dot_precision(q.dtype), host_descriptors, hopper.ENABLED, hopper.MASKED)
+            autotune.dot_precision(q.dtype), host_descriptors, hopper.ENABLED)
 
 
 def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True, host_descriptors: bool = True):
