@@ -1,5 +1,5 @@
-"""Compile the Hopper kernels (Gluon: the forward in ``ops/fused/hopper.py``, dK/dV in ``ops/fused/hopper_dkdv.py``)
-for sm_90 without a GPU and report their resources.
+"""Compile the Hopper kernels (Gluon: the forward in ``ops/fused/hopper.py``, dQ in ``ops/fused/hopper_dq.py``, dK/dV
+in ``ops/fused/hopper_dkdv.py``) for sm_90 without a GPU and report their resources.
 
     python benchmarks/hopper_compile_check.py
 
@@ -21,15 +21,16 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from fused_compile_check import ptxas_usage  # noqa: E402
-from ops.fused import hopper, hopper_dkdv  # noqa: E402
+from ops.fused import hopper, hopper_dkdv, hopper_dq  # noqa: E402
 
 # (kernel, query tile, key tile, head dim): the tiles ``tiles.choose_tiles`` gives 1-D (forward only), 2-D and 3-D
 # problems (dK/dV: 128-key tiles where no box is masked, 64-key tiles elsewhere)
 CASES = [("fwd", (1, 1, 128), (1, 1, 128), 128), ("fwd", (1, 8, 16), (1, 8, 16), 128), ("fwd", (2, 8, 8), (2, 8, 8), 128),
-         ("fwd", (1, 8, 16), (2, 8, 8), 64),
+         ("fwd", (1, 8, 16), (2, 8, 8), 64), ("dq", (1, 1, 128), (1, 1, 128), 128), ("dq", (1, 8, 16), (1, 8, 16), 128),
+         ("dq", (2, 8, 8), (2, 8, 8), 128), ("dq", (1, 8, 16), (2, 8, 8), 64),
          ("dkdv", (1, 4, 16), (1, 8, 16), 128), ("dkdv", (1, 8, 8), (2, 8, 8), 128), ("dkdv", (1, 4, 16), (1, 8, 16), 64),
          ("dkdv", (1, 8, 8), (1, 8, 8), 128), ("dkdv", (4, 4, 4), (2, 8, 4), 128), ("dkdv", (4, 4, 4), (2, 8, 4), 64)]
-POINTERS = {"O": "*bf16", "QUERY_RANGES": "*i32", "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "FLAGS": "*i8",
+POINTERS = {"O": "*bf16", "DQ": "*bf16", "DLSE": "*fp32", "QUERY_RANGES": "*i32", "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "FLAGS": "*i8",
             "STARTS": "*i32", "SPANS": "*i32", "ROW_OFFSETS": "*i32", "KEY_OFFSETS": "*i32"}
 FLOATS = ("qk_scale", "scale")
 
@@ -45,9 +46,11 @@ def _descriptor_type(box, dim):
 def compile_case(kernel, q_tile, kv_tile, dim):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    if kernel == "fwd":  # each consumer reads its half of the query box
-        module, fn = hopper, hopper.na_fwd_hopper_kernel
-        boxes = {"q_desc": hopper.half_box(q_tile)[0], "k_desc": kv_tile, "v_desc": kv_tile}
+    if kernel in ("fwd", "dq"):  # each consumer reads its half of the query box
+        module, fn = (hopper, hopper.na_fwd_hopper_kernel) if kernel == "fwd" else (hopper_dq,
+                                                                                    hopper_dq.na_bwd_dq_hopper_kernel)
+        half = hopper.half_box(q_tile)[0]
+        boxes = {"q_desc": half, "do_desc": half, "k_desc": kv_tile, "v_desc": kv_tile}
     else:  # each consumer holds 64 keys: its half of a 128-key tile, or all of a 64-key one
         module, fn = hopper_dkdv, hopper_dkdv.na_bwd_dkdv_hopper_kernel
         keys = hopper.half_box(kv_tile)[0] if math.prod(kv_tile) == 128 else kv_tile

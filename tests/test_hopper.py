@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # must precede the first import of triton cod
 pytest.importorskip("triton")
 
 import ops  # noqa: E402
-from ops.fused import hopper, hopper_dkdv, launch  # noqa: E402
+from ops.fused import hopper, hopper_dkdv, hopper_dq, launch  # noqa: E402
 from ops.window import NAParams, axis_window  # noqa: E402
 from tests.oracle import RandomProblem, dense_mask_and_bias_index, oracle_attention  # noqa: E402
 
@@ -237,7 +237,7 @@ def test_gpu_nonfinite_keys_stay_in_their_windows(poisoned):
 
 
 def _gradients(p, dtype, seed, poison_queries=None):
-    """(got, reference): dQ, dK, dV of the fused backend (asserting that dK/dV ran on the Hopper kernel) and of the
+    """(got, reference): dQ, dK, dV of the fused backend (asserting that both ran on the Hopper kernels) and of the
     float64 oracle, for a random output gradient."""
     (q, k, v), out, _ = _attend(p, dtype, seed, grads=True, poison_queries=poison_queries,
                                 hopper_forward=len(p.spatial) in hopper.RANKS)
@@ -246,6 +246,7 @@ def _gradients(p, dtype, seed, poison_queries=None):
     got = torch.autograd.grad(out, (q, k, v), d_out)
     plans = list(launch._BACKWARD.values())
     assert plans and all(plan.hopper_dkdv is not None for plan in plans), "dK/dV did not take the Hopper kernel"
+    assert all(plan.hopper_dq is not None for plan in plans), "dQ did not take the Hopper kernel"
     ref_in = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
     ref_out, _ = oracle_attention(*ref_in, p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)
     ref = torch.autograd.grad(ref_out, ref_in, d_out.double().cpu()) if poison_queries is None else None
@@ -273,6 +274,18 @@ def test_dkdv_consumers_follow_the_mask(name):
     q4 = torch.zeros(2, params.num_tokens, p.heads, 128, dtype=torch.bfloat16)
     k4 = torch.zeros(2, params.num_tokens, p.heads_kv, 128, dtype=torch.bfloat16)
     assert hopper_dkdv.plan(q4, k4, k4, q4, params, 0.1, (k4, k4)).meta["CONSUMERS_"] == DKDV_CASES[name][1]
+
+
+def test_dq_plan_and_reasons():
+    params = _params((256, 256), (80, 80), (16, 16))
+    q4 = torch.zeros(1, params.num_tokens, 4, 128, dtype=torch.bfloat16)
+    k4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
+    bw = hopper_dq.plan(q4, k4, k4, q4, q4, params, 0.1, q4)
+    assert bw.grid == (256 * 256 // hopper.ROWS, 4) and bw.scalars[-1] == 0  # a query tile per program, no mask
+    assert hopper_dq.plan(q4, k4, k4, q4, q4, _params((256, 256), (80, 80)), 0.1, q4).scalars[-1] == 1
+    assert hopper_dq.unsupported(q4, k4, k4, q4, q4.float(), None, params, 0.1) is not None
+    with hopper.disabled():
+        assert "disabled" in hopper_dq.unsupported(q4, k4, k4, q4, q4, None, params, 0.1)
 
 
 def test_dkdv_leaves_1d_to_the_portable_kernel(monkeypatch):
@@ -325,3 +338,48 @@ def test_gpu_dkdv_nonfinite_queries_stay_in_their_windows(poisoned):
         r = r.view(p.batch, -1, p.heads_kv, p.dim)[:, keep]
         assert torch.isfinite(g).all()
         assert ((g - r).abs().max() / r.abs().max()).item() < 4 * TOL[torch.bfloat16]
+
+
+@gpu
+def test_gpu_dq_matches_oracle_in_1d_with_an_lse_gradient(poisoned):
+    """1-D (dK/dV on the portable kernel), GQA, causal, and a loss on lse as well as on the output: dQ's delta then
+    subtracts the lse gradient."""
+    p = _problem("1d-causal-gqa", 128)
+    (q, k, v), out, lse = _attend(p, torch.bfloat16, seed=11, grads=True)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    d_out = torch.randn(out.shape, dtype=out.dtype, device="cuda", generator=gen)
+    d_lse = torch.randn(lse.shape, dtype=lse.dtype, device="cuda", generator=gen)
+    got = torch.autograd.grad((out, lse), (q, k, v), (d_out, d_lse))
+    plans = list(launch._BACKWARD.values())
+    assert plans and all(plan.hopper_dq is not None and plan.hopper_dkdv is None for plan in plans)
+    ref_in = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
+    ref_out, ref_lse = oracle_attention(*ref_in, p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)
+    ref = torch.autograd.grad((ref_out, ref_lse), ref_in, (d_out.double().cpu(), d_lse.double().cpu()))
+    for name, g, r in zip("qkv", got, ref):
+        assert _rel_err(g, r) < 4 * TOL[torch.bfloat16], f"d{name}"
+
+
+@gpu
+def test_gpu_dq_nonfinite_keys_stay_in_their_windows(poisoned):
+    """A NaN key reaches the dQ of exactly the queries whose windows hold it (the flagged programs' rows are
+    recomputed one window offset at a time); every other query's dQ is finite and matches the oracle's from the same
+    inputs with that key zeroed."""
+    p = _problem("2d-strided", 64)
+    bad = 1500
+    (q, k, v), out, _ = _attend(p, torch.bfloat16, seed=13, grads=True, poison_keys=[bad])
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    d_out = torch.randn(out.shape, dtype=out.dtype, device="cuda", generator=gen)
+    dq = torch.autograd.grad(out, q, d_out)[0].double().cpu().view(p.batch, -1, p.heads, p.dim)
+    assert all(plan.hopper_dq is not None for plan in launch._BACKWARD.values())
+    allowed = dense_mask_and_bias_index(p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)[0]
+    expect_nan = allowed[:, bad]  # [N]: the queries whose windows hold key ``bad``
+    assert expect_nan.any() and not expect_nan.all()
+    assert torch.equal(torch.isnan(dq).any(-1).any(-1).any(0), expect_nan)
+    clean_k = k.detach().double().cpu().clone()
+    clean_k.view(p.batch, -1, p.heads_kv, p.dim)[:, bad] = 0.0
+    ins = [t.detach().double().cpu().requires_grad_(True) for t in (q, clean_k, v)]
+    ref_out, _ = oracle_attention(*ins, p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)
+    ref = torch.autograd.grad(ref_out, ins[0], d_out.double().cpu())[0].view(p.batch, -1, p.heads, p.dim)
+    keep = ~expect_nan
+    assert torch.isfinite(dq[:, keep]).all()
+    assert ((dq[:, keep] - ref[:, keep]).abs().max() / ref[:, keep].abs().max()).item() < 4 * TOL[torch.bfloat16]

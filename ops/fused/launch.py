@@ -16,7 +16,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import autotune, hopper, hopper_dkdv, kernels, rpb_grad
+from . import autotune, hopper, hopper_dkdv, hopper_dq, kernels, rpb_grad
 from .tiles import axes_of, max_boxes, partial_axes
 from ..window import NAParams
 
@@ -584,6 +584,7 @@ class BackwardPlan:
     dkdv_bias_tiles: tuple | None = None
     ds_tiles: int = 0  # elements of dQ's tile-layout dS where it gives dRPB (``rpb_grad.reduce_tile_ds``), else 0
     tile_index: torch.Tensor | None = None  # that path's gather index [R, M]
+    hopper_dq: hopper_dq.HopperDq | None = None  # dQ runs on the Hopper kernel instead of dq_launches
     hopper_dkdv: hopper_dkdv.HopperDkDv | None = None  # dK/dV runs on the Hopper kernel instead of dkdv_launches
 
     @property
@@ -638,11 +639,14 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     ds = None if plan.ds_window is None else _window_ds_buffer(plan.ds_window, plan.ds_atomic, dev)
     if plan.ds_tiles:  # zeroed by dQ's tile generator, at the boxes dQ adds to
         ds = _empty((plan.ds_tiles,), torch.float32, dev)
-    _run_chunks(plan.dq_launches, (q, k, v, table, d_out, lse, delta, dq,
-                                   *descriptor_args(q, plan.dq_layouts, (k, v)), q if ds is None else ds,
-                                   _bias_tiles(plan.dq_bias_tiles, table, q, ds if plan.ds_tiles else None), out,
-                                   delta if d_lse is None else d_lse))
-    if plan.hopper_dkdv is not None:  # (pointers and the plan's strides: the tensors' shapes do not matter)
+    if plan.hopper_dq is not None:  # (pointers and the plan's strides: the tensors' shapes do not matter)
+        hopper_dq.run(plan.hopper_dq, q, k, v, d_out, out, lse, d_lse, delta, dq)
+    else:
+        _run_chunks(plan.dq_launches, (q, k, v, table, d_out, lse, delta, dq,
+                                       *descriptor_args(q, plan.dq_layouts, (k, v)), q if ds is None else ds,
+                                       _bias_tiles(plan.dq_bias_tiles, table, q, ds if plan.ds_tiles else None), out,
+                                       delta if d_lse is None else d_lse))
+    if plan.hopper_dkdv is not None:
         hopper_dkdv.run(plan.hopper_dkdv, q, k, v, d_out, lse, delta, dk, dvv)
     else:
         _run_chunks(plan.dkdv_launches, (q, k, v, table, d_out, lse, delta, dk, dvv,
@@ -780,9 +784,12 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dk"], s["dv"],
                                *descriptor_args(q4, layouts, (k4, v4), (q4, do4)), _bias_tiles(tiles, s["table"], q4)))
 
-    dq_config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tma=dq_tma_ok, host_descriptors=dq_host)
+    # the Hopper kernels read every tile through host-built descriptors, which ``host_descriptors=False`` rules out
+    dq_on_hopper = hopper_dq.plan(q4, k4, v4, do4, o4, params, scale, grads[0]) if host_descriptors and \
+        hopper_dq.unsupported(q4, k4, v4, do4, o4, rpb, params, scale) is None else None
+    dq_config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tunable=dq_on_hopper is None, tma=dq_tma_ok,
+                              host_descriptors=dq_host)
     dq_launches, dq_layouts, dq_tiles, dq_offsets = decide_dq(dq_config)
-    # the Hopper kernel reads every tile through host-built descriptors, which ``host_descriptors=False`` rules out
     on_hopper = hopper_dkdv.plan(q4, k4, v4, do4, params, scale, grads[1:]) if host_descriptors and \
         hopper_dkdv.unsupported(q4, k4, v4, do4, rpb, params, scale) is None else None
     config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tunable=on_hopper is None, tma=dkdv_tma_ok,
@@ -797,7 +804,7 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
                         rpb_direct=_rpb_direct(rpb) and len(dq_launches) == 1 == len(dkdv_launches),
                         ds_window=ds_shape if dq_meta["STORE_DS"] else None, ds_atomic=ds_atomic,
                         dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts, dq_bias_tiles=dq_tiles,
-                        dkdv_bias_tiles=dkdv_tiles, hopper_dkdv=on_hopper)
+                        dkdv_bias_tiles=dkdv_tiles, hopper_dq=dq_on_hopper, hopper_dkdv=on_hopper)
     if dq_meta["DS_BOXES"]:
         n_rel = math.prod(rpb.shape[1:])
         plan.ds_tiles = dq_tiles[1]
