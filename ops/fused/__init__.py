@@ -7,8 +7,8 @@ The backward computes dQ the same way, dK/dV by looping each key/value tile over
 whose windows reach it (the inverse neighborhood), and dRPB from the dS that dQ adds up per window
 slot (``rpb_grad.py``; reproducible under ``torch.use_deterministic_algorithms``).  Kernels: ``kernels.py``; window formulas: ``window_jit.py``; host side: ``launch.py``;
 tile choice and autotuning: ``tiles.py`` / ``autotune.py``; torch.library ops: ``op.py``; the warp-specialised
-Gluon kernels that sm_90 GPUs run for large windows: the forward (mask-free launches) in ``hopper.py``, dK/dV in
-``hopper_dkdv.py``.
+Gluon kernels that sm_90 GPUs run for large windows: the forward in ``hopper.py``, dQ in ``hopper_dq.py``, dK/dV
+in ``hopper_dkdv.py``.
 
 Runs on CUDA tensors, and on any tensor under ``TRITON_INTERPRET=1`` (Triton's interpreter, for
 tests on CPU).  float16, bfloat16, float32 (matmuls at torch's float32 precision setting); head dims up to 256.
