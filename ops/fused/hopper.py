@@ -89,6 +89,52 @@ if gluon is not None:
         return gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4)
 
     @gluon.jit
+    def _box_spans(SPANS, N1, N2, NMAX, B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr):
+        """The program's tile's spans (``_program_tile``, ``_span``) and the loop over the (B0, B1, B2) boxes that
+        cover them: ``(first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
+        n_tiles)``, where n2 and n12 count the boxes per step of axes 1 and 0 (an empty span loops over none)."""
+        tile0, tile1, tile2 = _program_tile(N1, N2)
+        lo0, hi0, in_lo0, in_hi0, first0 = _span(SPANS, 0, tile0, NMAX)
+        lo1, hi1, in_lo1, in_hi1, first1 = _span(SPANS, 1, tile1, NMAX)
+        lo2, hi2, in_lo2, in_hi2, first2 = _span(SPANS, 2, tile2, NMAX)
+        n2 = gl.cdiv(gl.maximum(hi2 - lo2, 0), B2)
+        n12 = gl.cdiv(gl.maximum(hi1 - lo1, 0), B1) * n2
+        n_tiles = gl.cdiv(gl.maximum(hi0 - lo0, 0), B0) * n12
+        return first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles
+
+    @gluon.jit
+    def _rings(a_desc, b_desc, STAGES: gl.constexpr, consumers: gl.constexpr):
+        """Two rings of ``STAGES`` shared-memory stages (boxes of ``a_desc`` and ``b_desc``) that a producer fills and
+        ``consumers`` consumer partitions empty: ``(a_smem, b_smem, a_ready, a_empty, b_ready, b_empty)``."""
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(a_ready.index(i), count=1)
+            mbarrier.init(b_ready.index(i), count=1)
+            mbarrier.init(a_empty.index(i), count=consumers)  # every consumer hands a stage back
+            mbarrier.init(b_empty.index(i), count=consumers)
+        return a_smem, b_smem, a_ready, a_empty, b_ready, b_empty
+
+    @gluon.jit
+    def _turn_barriers():
+        """The two mbarriers the consumers pass their turns with (``_await_turn``)."""
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
+        return turns
+
+    @gluon.jit
+    def _load_halves(desc, smem, bar, b, first0, first1, first2, half0, half1, half2, col):
+        """Both consumers' halves of the program's query box (``half_box``) from ``desc`` into ``smem``."""
+        tma.async_copy_global_to_shared(desc, [b, first0, first1, first2, col], bar, smem.index(0))
+        tma.async_copy_global_to_shared(desc, [b, first0 + half0, first1 + half1, first2 + half2, col], bar,
+                                        smem.index(1))
+
+    @gluon.jit
     def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, col, lo0, lo1, lo2, n12, n2,
                  n_tiles):
         """Producer: the program's key boxes in loop order, each K and V box into the next free stage (K and V
@@ -119,6 +165,17 @@ if gluon is not None:
         return q < L, qc, gl.load(base), gl.load(base + 1)
 
     @gluon.jit
+    def _consumer_rows(STARTS, ROW_OFFSETS, first0, first1, first2, half, L0, L1, L2, LMAX, h_rows: gl.constexpr,
+                       rows: gl.constexpr):
+        """A consumer's rows of the query box (the ``half``-th 64, in layout ``rows``): ``(r, q_ok, tok, start0,
+        stop0, start1, stop1, start2, stop2)``: row index, valid, flat token (clamped) and window per axis."""
+        r = half * h_rows + gl.arange(0, h_rows, layout=rows)
+        ok0, qc0, start0, stop0 = _axis_rows(STARTS, ROW_OFFSETS, 0, first0, r, L0, LMAX)
+        ok1, qc1, start1, stop1 = _axis_rows(STARTS, ROW_OFFSETS, 1, first1, r, L1, LMAX)
+        ok2, qc2, start2, stop2 = _axis_rows(STARTS, ROW_OFFSETS, 2, first2, r, L2, LMAX)
+        return r, ok0 & ok1 & ok2, (qc0 * L1 + qc1) * L2 + qc2, start0, stop0, start1, stop1, start2, stop2
+
+    @gluon.jit
     def _scores(q, k_smem, stage, h_rows: gl.constexpr, cols: gl.constexpr, block_d: gl.constexpr,
                 s_layout: gl.constexpr):
         """Issues ``q @ K[stage]^T`` on the tensor cores (asynchronous: the caller waits)."""
@@ -128,7 +185,7 @@ if gluon is not None:
 
     @gluon.jit
     def _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1,
-                  stop1, start2, stop2, c0, c1, c2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
+                  stop1, start2, stop2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
         """The scores of loop step ``t`` with -inf outside each row's window, unless its key box lies inside every
         row's window."""
         i0 = t // n12
@@ -139,6 +196,10 @@ if gluon is not None:
         full = ((k0 >= in_lo0) & (k0 + U0 <= in_hi0) & (k1 >= in_lo1) & (k1 + U1 <= in_hi1)
                 & (k2 >= in_lo2) & (k2 + U2 <= in_hi2))
         if not full:
+            c = gl.arange(0, U0 * U1 * U2, layout=gl.SliceLayout(0, s.type.layout))  # the box's keys, row-major
+            c0 = c // (U1 * U2)
+            c1 = (c // U2) % U1
+            c2 = c % U2
             kj0 = k0 + c0
             kj1 = k1 + c1
             kj2 = k2 + c2
@@ -193,14 +254,8 @@ if gluon is not None:
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        r = half * h_rows + gl.arange(0, h_rows, layout=s_rows)
-        ok0, qc0, start0, stop0 = _axis_rows(STARTS, ROW_OFFSETS, 0, first0, r, L0, LMAX)
-        ok1, qc1, start1, stop1 = _axis_rows(STARTS, ROW_OFFSETS, 1, first1, r, L1, LMAX)
-        ok2, qc2, start2, stop2 = _axis_rows(STARTS, ROW_OFFSETS, 2, first2, r, L2, LMAX)
-        c = gl.arange(0, cols, layout=gl.SliceLayout(0, s_layout))
-        c0 = c // (U1 * U2)
-        c1 = (c // U2) % U1
-        c2 = c % U2
+        r, q_ok, tok, start0, stop0, start1, stop1, start2, stop2 = _consumer_rows(
+            STARTS, ROW_OFFSETS, first0, first1, first2, half, L0, L1, L2, LMAX, h_rows, s_rows)
 
         m_i = gl.full([h_rows], float("-inf"), gl.float32, layout=s_rows)
         l_i = gl.zeros([h_rows], gl.float32, layout=s_rows)
@@ -215,7 +270,7 @@ if gluon is not None:
         mbarrier.arrive(k_empty.index(0), count=1)
         if mask:
             s = _mask_box(s, 0, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                          start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
+                          start0, stop0, start1, stop1, start2, stop2, U0, U1, U2)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p = gl.convert_layout(p.to(dtype), p_layout)
         for t in range(n_tiles - 1):
@@ -230,7 +285,7 @@ if gluon is not None:
             mbarrier.arrive(k_empty.index(nxt % stages), count=1)
             if mask:
                 s = _mask_box(s, nxt, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                              start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
+                              start0, stop0, start1, stop1, start2, stop2, U0, U1, U2)
             p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             p_next = gl.convert_layout(p_next.to(dtype), p_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -247,8 +302,6 @@ if gluon is not None:
 
         l_i = gl.where(l_i > 0.0, l_i, 1.0)  # rows past an axis' end (zero queries) are never stored
         out = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
-        q_ok = ok0 & ok1 & ok2
-        tok = (qc0 * L1 + qc1) * L2 + qc2
         if store_lse:
             gl.store(LSE + b.to(gl.int64) * slb + tok * slt + h, (m_i + gl.log2(l_i)) * 0.6931471805599453,
                      mask=q_ok)
@@ -274,41 +327,22 @@ if gluon is not None:
         program = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
         b = gl.program_id(1) // HQ
         h = gl.program_id(1) % HQ
-        tile0, tile1, tile2 = _program_tile(NT1, NT2)
-        lo0, hi0, in_lo0, in_hi0, first0 = _span(SPANS, 0, tile0, NTMAX)
-        lo1, hi1, in_lo1, in_hi1, first1 = _span(SPANS, 1, tile1, NTMAX)
-        lo2, hi2, in_lo2, in_hi2, first2 = _span(SPANS, 2, tile2, NTMAX)
         U0: gl.constexpr = k_desc.block_type.shape[1]
         U1: gl.constexpr = k_desc.block_type.shape[2]
         U2: gl.constexpr = k_desc.block_type.shape[3]
         BLOCK_D: gl.constexpr = k_desc.block_type.shape[4]
-        n2 = gl.cdiv(hi2 - lo2, U2)
-        n12 = gl.cdiv(hi1 - lo1, U1) * n2
-        n_tiles = gl.cdiv(hi0 - lo0, U0) * n12
+        (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
+         n_tiles) = _box_spans(SPANS, NT1, NT2, NTMAX, U0, U1, U2)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES_] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES_] + v_desc.block_type.shape, v_desc.layout)
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = _rings(k_desc, v_desc, STAGES_, 2)
+        turns = _turn_barriers()
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(turns.index(0), count=1)
-        mbarrier.init(turns.index(1), count=1)
-        for i in gl.static_range(STAGES_):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both consumers hand a stage back
-            mbarrier.init(v_empty.index(i), count=2)
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, first0, first1, first2, h * BLOCK_D], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [b, first0 + half0, first1 + half1, first2 + half2, h * BLOCK_D],
-                                        q_bar, q_smem.index(1))
+        _load_halves(q_desc, q_smem, q_bar, b, first0, first1, first2, half0, half1, half2, h * BLOCK_D)
 
         args = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, turns, O, LSE, FLAGS, STARTS,
                 ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2,

@@ -41,8 +41,7 @@ from ..window import NAParams
 
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
-    from .hopper import (_program_tile, _span, fence_async_shared, mbarrier, tma, warpgroup_mma,
-                         warpgroup_mma_wait)
+    from .hopper import _box_spans, _rings, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 # Keys per program, a consumer warpgroup per 64: where no query box needs a mask (the strided problems) two consumers
 # share a 128-key tile; elsewhere one consumer owns a 64-key tile (two programs per SM), whose query boxes reach fewer
@@ -215,32 +214,17 @@ if gluon is not None:
         program = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
         b = gl.program_id(1) // HKV
         hk = gl.program_id(1) % HKV
-        tile0, tile1, tile2 = _program_tile(NU1, NU2)
-        ql0, qh0, in_lo0, in_hi0, first0 = _span(SPANS, 0, tile0, NUMAX)
-        ql1, qh1, in_lo1, in_hi1, first1 = _span(SPANS, 1, tile1, NUMAX)
-        ql2, qh2, in_lo2, in_hi2, first2 = _span(SPANS, 2, tile2, NUMAX)
         T0: gl.constexpr = q_desc.block_type.shape[1]
         T1: gl.constexpr = q_desc.block_type.shape[2]
         T2: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[4]
-        n2 = gl.cdiv(gl.maximum(qh2 - ql2, 0), T2)
-        n12 = gl.cdiv(gl.maximum(qh1 - ql1, 0), T1) * n2
-        n_tiles = gl.cdiv(gl.maximum(qh0 - ql0, 0), T0) * n12
+        (first0, first1, first2, ql0, ql1, ql2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
+         n_tiles) = _box_spans(SPANS, NU1, NU2, NUMAX, T0, T1, T2)
 
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS_] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS_] + v_desc.block_type.shape, v_desc.layout)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES_] + q_desc.block_type.shape, q_desc.layout)
-        do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES_] + do_desc.block_type.shape, do_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        q_smem, do_smem, q_ready, q_empty, do_ready, do_empty = _rings(q_desc, do_desc, STAGES_, CONSUMERS_)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES_):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=CONSUMERS_)  # every consumer hands a stage back
-            mbarrier.init(do_empty.index(i), count=CONSUMERS_)
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 

@@ -32,8 +32,8 @@ from ..window import NAParams
 
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
-    from .hopper import (_await_turn, _axis_rows, _load_kv, _mask_box, _pass_turn, _program_tile, _span,
-                         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from .hopper import (_await_turn, _box_spans, _consumer_rows, _load_halves, _load_kv, _mask_box, _pass_turn,
+                         _rings, _turn_barriers, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 STAGES = 2  # K/V stages in shared memory
 CONSUMER_REGS = 240  # S, dP and the dQ accumulator: 192 of a consumer thread's registers at head dim 128
@@ -64,16 +64,8 @@ if gluon is not None:
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         g_rows: gl.constexpr = gl.SliceLayout(1, g_layout)
 
-        r = half * h_rows + gl.arange(0, h_rows, layout=s_rows)
-        ok0, qc0, start0, stop0 = _axis_rows(STARTS, ROW_OFFSETS, 0, first0, r, L0, LMAX)
-        ok1, qc1, start1, stop1 = _axis_rows(STARTS, ROW_OFFSETS, 1, first1, r, L1, LMAX)
-        ok2, qc2, start2, stop2 = _axis_rows(STARTS, ROW_OFFSETS, 2, first2, r, L2, LMAX)
-        c = gl.arange(0, cols, layout=gl.SliceLayout(0, s_layout))
-        c0 = c // (U1 * U2)
-        c1 = (c // U2) % U1
-        c2 = c % U2
-        q_ok = ok0 & ok1 & ok2
-        tok = (qc0 * L1 + qc1) * L2 + qc2
+        r, q_ok, tok, start0, stop0, start1, stop1, start2, stop2 = _consumer_rows(
+            STARTS, ROW_OFFSETS, first0, first1, first2, half, L0, L1, L2, LMAX, h_rows, s_rows)
         l_off = b.to(gl.int64) * slb + tok * slt + h
         lse2 = gl.load(LSE + l_off, mask=q_ok, other=0.0) * 1.4426950408889634
 
@@ -108,7 +100,7 @@ if gluon is not None:
             mbarrier.arrive(v_empty.index(stage), count=1)
             if mask:
                 s = _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                              start0, stop0, start1, stop1, start2, stop2, c0, c1, c2, U0, U1, U2)
+                              start0, stop0, start1, stop1, start2, stop2, U0, U1, U2)
             p = gl.exp2(s * qk_scale - lse2[:, None])
             ds = p * (dp - delta[:, None])
             acc = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, acc, is_async=True)
@@ -134,46 +126,24 @@ if gluon is not None:
         program = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
         b = gl.program_id(1) // HQ
         h = gl.program_id(1) % HQ
-        tile0, tile1, tile2 = _program_tile(NT1, NT2)
-        lo0, hi0, in_lo0, in_hi0, first0 = _span(SPANS, 0, tile0, NTMAX)
-        lo1, hi1, in_lo1, in_hi1, first1 = _span(SPANS, 1, tile1, NTMAX)
-        lo2, hi2, in_lo2, in_hi2, first2 = _span(SPANS, 2, tile2, NTMAX)
         U0: gl.constexpr = k_desc.block_type.shape[1]
         U1: gl.constexpr = k_desc.block_type.shape[2]
         U2: gl.constexpr = k_desc.block_type.shape[3]
         BLOCK_D: gl.constexpr = k_desc.block_type.shape[4]
-        n2 = gl.cdiv(hi2 - lo2, U2)
-        n12 = gl.cdiv(hi1 - lo1, U1) * n2
-        n_tiles = gl.cdiv(hi0 - lo0, U0) * n12
+        (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
+         n_tiles) = _box_spans(SPANS, NT1, NT2, NTMAX, U0, U1, U2)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES_] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES_] + v_desc.block_type.shape, v_desc.layout)
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+        k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = _rings(k_desc, v_desc, STAGES_, 2)
+        turns = _turn_barriers()
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(turns.index(0), count=1)
-        mbarrier.init(turns.index(1), count=1)
-        for i in gl.static_range(STAGES_):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both consumers hand a stage back
-            mbarrier.init(v_empty.index(i), count=2)
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-        col = h * BLOCK_D
-        tma.async_copy_global_to_shared(q_desc, [b, first0, first1, first2, col], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], q_bar,
-                                        q_smem.index(1))
-        tma.async_copy_global_to_shared(do_desc, [b, first0, first1, first2, col], q_bar, do_smem.index(0))
-        tma.async_copy_global_to_shared(do_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], q_bar,
-                                        do_smem.index(1))
+        _load_halves(q_desc, q_smem, q_bar, b, first0, first1, first2, half0, half1, half2, h * BLOCK_D)
+        _load_halves(do_desc, do_smem, q_bar, b, first0, first1, first2, half0, half1, half2, h * BLOCK_D)
 
         args = (q_smem, do_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, turns, O, DLSE, LSE, DELTA,
                 DQ, FLAGS, STARTS, ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0,
