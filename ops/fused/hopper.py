@@ -76,6 +76,16 @@ if gluon is not None:
     # (Triton 3.6), so tile sizes, stages and head dim are read off the shared-memory buffers' shapes, the rows'
     # offsets inside the query box come from a table (``ROW_OFFSETS``), and the two switches are runtime flags.
 
+    @gluon.constexpr_function
+    def _wgmma_layout(n):
+        """wgmma's register layout of one warpgroup's ``[64, n]`` result."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+    @gluon.constexpr_function
+    def _register_operand(acc_layout):
+        """The layout of a left operand taken from registers by a matmul accumulating in ``acc_layout``."""
+        return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
     @gluon.jit
     def _program_tile(N1, N2):
         """The program's tile per axis (grid axis 0; the last axis fastest)."""
@@ -246,11 +256,9 @@ if gluon is not None:
         h_rows: gl.constexpr = q_smem.type.shape[2] * q_smem.type.shape[3] * q_smem.type.shape[4]
         cols: gl.constexpr = U0 * U1 * U2
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, cols, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, block_d, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_layout: gl.constexpr = _wgmma_layout(cols)
+        o_layout: gl.constexpr = _wgmma_layout(block_d)
+        p_layout: gl.constexpr = _register_operand(o_layout)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 

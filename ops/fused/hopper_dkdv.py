@@ -41,7 +41,8 @@ from ..window import NAParams
 
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
-    from .hopper import _box_spans, _rings, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from .hopper import (_box_spans, _register_operand, _rings, _wgmma_layout, fence_async_shared, mbarrier, tma,
+                         warpgroup_mma, warpgroup_mma_wait)
 
 # Keys per program, a consumer warpgroup per 64: where no query box needs a mask (the strided problems) two consumers
 # share a 128-key tile; elsewhere one consumer owns a 64-key tile (two programs per SM), whose query boxes reach fewer
@@ -103,11 +104,9 @@ if gluon is not None:
         cols: gl.constexpr = T0 * T1 * T2
         rows: gl.constexpr = k_smem.type.shape[2] * k_smem.type.shape[3] * k_smem.type.shape[4]
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, cols, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, block_d, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_layout: gl.constexpr = _wgmma_layout(cols)
+        o_layout: gl.constexpr = _wgmma_layout(block_d)
+        a_layout: gl.constexpr = _register_operand(o_layout)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)

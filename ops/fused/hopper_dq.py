@@ -33,7 +33,8 @@ from ..window import NAParams
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
     from .hopper import (_await_turn, _box_spans, _consumer_rows, _load_halves, _load_kv, _mask_box, _pass_turn,
-                         _rings, _turn_barriers, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+                         _register_operand, _rings, _turn_barriers, _wgmma_layout, fence_async_shared, mbarrier,
+                         warpgroup_mma, warpgroup_mma_wait)
 
 STAGES = 2  # K/V stages in shared memory
 CONSUMER_REGS = 240  # S, dP and the dQ accumulator: 192 of a consumer thread's registers at head dim 128
@@ -56,11 +57,9 @@ if gluon is not None:
         h_rows: gl.constexpr = q_smem.type.shape[2] * q_smem.type.shape[3] * q_smem.type.shape[4]
         cols: gl.constexpr = U0 * U1 * U2
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, cols, 16])
-        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, block_d, 16])
-        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+        s_layout: gl.constexpr = _wgmma_layout(cols)
+        g_layout: gl.constexpr = _wgmma_layout(block_d)
+        ds_layout: gl.constexpr = _register_operand(g_layout)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         g_rows: gl.constexpr = gl.SliceLayout(1, g_layout)
 
