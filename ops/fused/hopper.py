@@ -22,7 +22,7 @@ values inside the windows that hold them, as the portable kernel does.
 It runs where it is built for and measured faster: 1-D, 2-D and 3-D problems, 16-bit inputs, head dim 64 or 128
 (= value dim), no RPB, positive scale, no dilation, heads packed per token, and windows of at least ``MIN_WINDOW``
 keys (small windows waste most of a 128 x 128 tile).  Everything else, and any GPU but sm_90, takes the portable
-kernel; ``NAMODELS_HOPPER=0`` (or ``disabled()``) forces it, for ``hopper_dkdv`` too.
+kernel; ``NAMODELS_HOPPER=0`` (or ``disabled()``) forces it, for ``hopper_dq`` and ``hopper_dkdv`` too.
 """
 from __future__ import annotations
 
