@@ -25,12 +25,14 @@ from ops.fused import hopper, hopper_dkdv, hopper_dq  # noqa: E402
 
 # (kernel, query tile, key tile, head dim): the tiles ``tiles.choose_tiles`` gives 1-D (forward only), 2-D and 3-D
 # problems (dK/dV: 128-key tiles where no box is masked, 64-key tiles elsewhere)
-CASES = [("fwd", (1, 1, 128), (1, 1, 128), 128), ("fwd", (1, 8, 16), (1, 8, 16), 128), ("fwd", (2, 8, 8), (2, 8, 8), 128),
-         ("fwd", (1, 8, 16), (2, 8, 8), 64), ("dq", (1, 1, 128), (1, 1, 128), 128), ("dq", (1, 8, 16), (1, 8, 16), 128),
+CASES = [("fwd", (1, 1, 128), (1, 1, 128), 128), ("fwd", (1, 8, 16), (1, 8, 16), 128),
+         ("fwd", (2, 8, 8), (2, 8, 8), 128), ("fwd", (1, 8, 16), (2, 8, 8), 64),
+         ("dq", (1, 1, 128), (1, 1, 128), 128), ("dq", (1, 8, 16), (1, 8, 16), 128),
          ("dq", (2, 8, 8), (2, 8, 8), 128), ("dq", (1, 8, 16), (2, 8, 8), 64),
          ("dkdv", (1, 4, 16), (1, 8, 16), 128), ("dkdv", (1, 8, 8), (2, 8, 8), 128), ("dkdv", (1, 4, 16), (1, 8, 16), 64),
          ("dkdv", (1, 8, 8), (1, 8, 8), 128), ("dkdv", (4, 4, 4), (2, 8, 4), 128), ("dkdv", (4, 4, 4), (2, 8, 4), 64)]
-POINTERS = {"O": "*bf16", "DQ": "*bf16", "DLSE": "*fp32", "QUERY_RANGES": "*i32", "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "FLAGS": "*i8",
+POINTERS = {"O": "*bf16", "DQ": "*bf16", "DLSE": "*fp32", "QUERY_RANGES": "*i32", "DK": "*bf16", "DV": "*bf16",
+            "LSE": "*fp32", "DELTA": "*fp32", "FLAGS": "*i8",
             "STARTS": "*i32", "SPANS": "*i32", "ROW_OFFSETS": "*i32", "KEY_OFFSETS": "*i32"}
 FLOATS = ("qk_scale", "scale")
 

@@ -207,8 +207,8 @@ def _reference_sample(q, k, v, rpb, params, scale, samples, gen):
     return idx, out
 
 
-# the fused backend with its Hopper kernels turned off (``ops/fused/hopper.py``, ``hopper_dq.py``, ``hopper_dkdv.py``), to
-# time the two side by side
+# the fused backend with its Hopper kernels turned off (``ops/fused/hopper.py``, ``hopper_dq.py``,
+# ``hopper_dkdv.py``), to time the two side by side
 PORTABLE = "fused-portable"
 
 

@@ -353,8 +353,8 @@ if gluon is not None:
         _load_halves(q_desc, q_smem, q_bar, b, first0, first1, first2, half0, half1, half2, h * BLOCK_D)
 
         args = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, turns, O, LSE, FLAGS, STARTS,
-                ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2,
-                in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
+                ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
+                in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
         gl.warp_specialize([
             (_consume, args + (gl.to_tensor(0),)),  # the consumer's half of the query box
             (_consume, args + (gl.to_tensor(1),)),
