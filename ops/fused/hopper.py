@@ -194,29 +194,27 @@ if gluon is not None:
                              use_acc=False, is_async=True)
 
     @gluon.jit
+    def _mask_axis(s, kj, start, stop):
+        """``s`` with -inf where the column's key ``kj`` lies outside the row's window ``[start, stop)`` on one axis."""
+        return gl.where((kj[None, :] >= start[:, None]) & (kj[None, :] < stop[:, None]), s, float("-inf"))
+
+    @gluon.jit
     def _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1,
                   stop1, start2, stop2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
-        """The scores of loop step ``t`` with -inf outside each row's window, unless its key box lies inside every
-        row's window."""
+        """The scores of loop step ``t`` with -inf outside each row's window, tested only on the axes where its key
+        box does not lie inside every row's window (never on a problem's leading dummy axes)."""
         i0 = t // n12
         i1 = (t - i0 * n12) // n2
         k0 = lo0 + i0 * U0
         k1 = lo1 + i1 * U1
         k2 = lo2 + (t - i0 * n12 - i1 * n2) * U2
-        full = ((k0 >= in_lo0) & (k0 + U0 <= in_hi0) & (k1 >= in_lo1) & (k1 + U1 <= in_hi1)
-                & (k2 >= in_lo2) & (k2 + U2 <= in_hi2))
-        if not full:
-            c = gl.arange(0, U0 * U1 * U2, layout=gl.SliceLayout(0, s.type.layout))  # the box's keys, row-major
-            c0 = c // (U1 * U2)
-            c1 = (c // U2) % U1
-            c2 = c % U2
-            kj0 = k0 + c0
-            kj1 = k1 + c1
-            kj2 = k2 + c2
-            keep = ((kj0[None, :] >= start0[:, None]) & (kj0[None, :] < stop0[:, None])
-                    & (kj1[None, :] >= start1[:, None]) & (kj1[None, :] < stop1[:, None])
-                    & (kj2[None, :] >= start2[:, None]) & (kj2[None, :] < stop2[:, None]))
-            s = gl.where(keep, s, float("-inf"))
+        c = gl.arange(0, U0 * U1 * U2, layout=gl.SliceLayout(0, s.type.layout))  # the box's keys, row-major
+        if (k0 < in_lo0) | (k0 + U0 > in_hi0):
+            s = _mask_axis(s, k0 + c // (U1 * U2), start0, stop0)
+        if (k1 < in_lo1) | (k1 + U1 > in_hi1):
+            s = _mask_axis(s, k1 + (c // U2) % U1, start1, stop1)
+        if (k2 < in_lo2) | (k2 + U2 > in_hi2):
+            s = _mask_axis(s, k2 + c % U2, start2, stop2)
         return s
 
     @gluon.jit
