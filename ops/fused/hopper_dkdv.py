@@ -27,7 +27,6 @@ windows) for the ranks in ``RANKS``; everything else takes the portable kernel.
 """
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 
@@ -321,8 +320,7 @@ def inverse_tables(params: NAParams, kv_tile) -> tuple[torch.Tensor, torch.Tenso
     spans = torch.zeros(3, max(n_tiles), 8, dtype=torch.int32)
     for a, (ax, u) in enumerate(zip(axes, kv_tile)):
         start, stop = tiles.axis_windows(ax)
-        lo = [bisect.bisect_right(stop, k) for k in range(ax.Lg)]
-        hi = [bisect.bisect_right(start, k) for k in range(ax.Lg)]
+        lo, hi = zip(*(tiles.reaching_queries(start, stop, k, k) for k in range(ax.Lg)))
         ranges[a, :ax.Lg] = torch.tensor([lo, hi], dtype=torch.int32).T
         for tile in range(n_tiles[a]):
             first, last = tile * u, min(tile * u + u, ax.Lg) - 1

@@ -70,6 +70,13 @@ def axis_windows(ax: Axis) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(int(w[0]) for w in wins), tuple(int(w[1]) for w in wins)
 
 
+def reaching_queries(starts, stops, first_key: int, last_key: int) -> tuple[int, int]:
+    """``[lo, hi)``: the queries whose windows (``axis_windows``) hold some key of ``[first_key, last_key]``.  A
+    window's start and stop never decrease along an axis, so they are a range: the queries whose windows stop after
+    ``first_key`` and start at or before ``last_key``."""
+    return bisect.bisect_right(stops, first_key), bisect.bisect_right(starts, last_key)
+
+
 def _masked(first: int, n: int, step: int, width: int, in_lo: int, in_hi: int) -> int:
     """How many of the tiles ``[first + t * step, + width)``, t < n, stick out of ``[in_lo, in_hi)``."""
     return sum(1 for t in range(n) if first + t * step < in_lo or first + t * step + width > in_hi)
@@ -82,8 +89,7 @@ def axis_loop(ax: Axis, outer: int, inner: int, inverse: bool) -> AxisLoop:
     iterations = masked = 0
     for o in range(0, ax.Lg, outer):
         if inverse:  # queries [ql, qh) reach the keys [o, o + outer)
-            ql = bisect.bisect_right(stops, o)
-            qh = bisect.bisect_right(starts, min(o + outer, ax.Lg) - 1)
+            ql, qh = reaching_queries(starts, stops, o, min(o + outer, ax.Lg) - 1)
             n = -(-max(qh - ql, 0) // inner)
             for t in range(n):
                 q0 = ql + t * inner
@@ -105,8 +111,7 @@ def max_boxes(axes: list[Axis], outer: tuple, inner: tuple, inverse: bool = Fals
         counts = []
         for o in range(0, ax.Lg, t):
             if inverse:
-                ql = bisect.bisect_right(stops, o)
-                qh = bisect.bisect_right(starts, min(o + t, ax.Lg) - 1)
+                ql, qh = reaching_queries(starts, stops, o, min(o + t, ax.Lg) - 1)
                 counts.append(-(-max(qh - ql, 0) // u))
             else:
                 counts.append(-(-(stops[min(o + t, ax.Lg) - 1] - starts[o]) // u))
