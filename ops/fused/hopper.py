@@ -99,10 +99,20 @@ if gluon is not None:
         return gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4)
 
     @gluon.jit
-    def _box_spans(SPANS, N1, N2, NMAX, B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr):
-        """The program's tile's spans (``_program_tile``, ``_span``) and the loop over the (B0, B1, B2) boxes that
-        cover them: ``(first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-        n_tiles)``, where n2 and n12 count the boxes per step of axes 1 and 0 (an empty span loops over none)."""
+    def _program(HEADS):
+        """The program's flat index and its batch element and head (grid axis 1 is ``b * HEADS + head``)."""
+        return (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), gl.program_id(1) // HEADS,
+                gl.program_id(1) % HEADS)
+
+    @gluon.jit
+    def _box_spans(SPANS, N1, N2, NMAX, box_desc):
+        """The program's tile's spans (``_program_tile``, ``_span``) and the loop over the boxes of ``box_desc``
+        (``[1, B0, B1, B2, D]``) that cover them: ``(first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1,
+        in_hi1, in_lo2, in_hi2, n12, n2, n_tiles)``, where n2 and n12 count the boxes per step of axes 1 and 0 (an
+        empty span loops over none)."""
+        B0: gl.constexpr = box_desc.block_type.shape[1]
+        B1: gl.constexpr = box_desc.block_type.shape[2]
+        B2: gl.constexpr = box_desc.block_type.shape[3]
         tile0, tile1, tile2 = _program_tile(N1, N2)
         lo0, hi0, in_lo0, in_hi0, first0 = _span(SPANS, 0, tile0, NMAX)
         lo1, hi1, in_lo1, in_hi1, first1 = _span(SPANS, 1, tile1, NMAX)
@@ -330,15 +340,10 @@ if gluon is not None:
         # stop) of the position's window; SPANS[axis, tile] = (lo, hi, in_lo, in_hi, first query, -, -, -) of a query
         # tile; ROW_OFFSETS[axis, row] = the row's offset from the tile's first query.  FLAGS[program, row] = 1 where
         # the row's result holds a NaN / inf.  ``store_lse`` / ``mask``: runtime switches (see the partitions).
-        program = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-        b = gl.program_id(1) // HQ
-        h = gl.program_id(1) % HQ
-        U0: gl.constexpr = k_desc.block_type.shape[1]
-        U1: gl.constexpr = k_desc.block_type.shape[2]
-        U2: gl.constexpr = k_desc.block_type.shape[3]
+        program, b, h = _program(HQ)
         BLOCK_D: gl.constexpr = k_desc.block_type.shape[4]
         (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-         n_tiles) = _box_spans(SPANS, NT1, NT2, NTMAX, U0, U1, U2)
+         n_tiles) = _box_spans(SPANS, NT1, NT2, NTMAX, k_desc)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = _rings(k_desc, v_desc, STAGES_, 2)

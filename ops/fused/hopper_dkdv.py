@@ -40,8 +40,8 @@ from ..window import NAParams
 
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
-    from .hopper import (_box_spans, _register_operand, _rings, _wgmma_layout, fence_async_shared, mbarrier, tma,
-                         warpgroup_mma, warpgroup_mma_wait)
+    from .hopper import (_box_spans, _program, _register_operand, _rings, _wgmma_layout, fence_async_shared,
+                         mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 # Keys per program, a consumer warpgroup per 64: where no query box needs a mask (the strided problems) two consumers
 # share a 128-key tile; elsewhere one consumer owns a 64-key tile (two programs per SM), whose query boxes reach fewer
@@ -209,15 +209,10 @@ if gluon is not None:
         # windows hold the key; SPANS[axis, key tile] = (lo, hi, in_lo, in_hi, first key, -, -, -): the queries
         # reaching the tile, those whose windows hold all of it, its first key; KEY_OFFSETS[axis, row] = the row's
         # offset from the tile's first key.  FLAGS[program, row] = 1 where the key's dK or dV holds a NaN / inf.
-        program = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-        b = gl.program_id(1) // HKV
-        hk = gl.program_id(1) % HKV
-        T0: gl.constexpr = q_desc.block_type.shape[1]
-        T1: gl.constexpr = q_desc.block_type.shape[2]
-        T2: gl.constexpr = q_desc.block_type.shape[3]
+        program, b, hk = _program(HKV)
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[4]
         (first0, first1, first2, ql0, ql1, ql2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-         n_tiles) = _box_spans(SPANS, NU1, NU2, NUMAX, T0, T1, T2)
+         n_tiles) = _box_spans(SPANS, NU1, NU2, NUMAX, q_desc)
 
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS_] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS_] + v_desc.block_type.shape, v_desc.layout)

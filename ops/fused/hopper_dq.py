@@ -33,8 +33,8 @@ from ..window import NAParams
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
     from .hopper import (_await_turn, _box_spans, _consumer_rows, _load_halves, _load_kv, _mask_box, _pass_turn,
-                         _register_operand, _rings, _turn_barriers, _wgmma_layout, fence_async_shared, mbarrier,
-                         warpgroup_mma, warpgroup_mma_wait)
+                         _program, _register_operand, _rings, _turn_barriers, _wgmma_layout, fence_async_shared,
+                         mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 STAGES = 2  # K/V stages in shared memory
 CONSUMER_REGS = 240  # S, dP and the dQ accumulator: 192 of a consumer thread's registers at head dim 128
@@ -122,15 +122,10 @@ if gluon is not None:
         # STARTS / SPANS / ROW_OFFSETS: the forward's window tables (``hopper.window_tables``).  O: the forward's
         # output (strides sob, sot, soh); DQ: dQ (sgb, sgt, sgh); LSE, DELTA and DLSE share strides (slb, slt), and
         # DLSE is read where ``has_dlse``.  FLAGS[program, row] = 1 where the row's dQ holds a NaN / inf.
-        program = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-        b = gl.program_id(1) // HQ
-        h = gl.program_id(1) % HQ
-        U0: gl.constexpr = k_desc.block_type.shape[1]
-        U1: gl.constexpr = k_desc.block_type.shape[2]
-        U2: gl.constexpr = k_desc.block_type.shape[3]
+        program, b, h = _program(HQ)
         BLOCK_D: gl.constexpr = k_desc.block_type.shape[4]
         (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-         n_tiles) = _box_spans(SPANS, NT1, NT2, NTMAX, U0, U1, U2)
+         n_tiles) = _box_spans(SPANS, NT1, NT2, NTMAX, k_desc)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
