@@ -475,20 +475,40 @@ def window_tables(params: NAParams, q_tile, device) -> tuple[torch.Tensor, torch
     return starts.to(device), spans.to(device), row_offsets.to(device)
 
 
+def query_boxes(params: NAParams, device) -> tuple:
+    """The launch geometry the forward and dQ kernels share: ``(q_tile, kv_tile, masked, programs, nt, tables)``, the
+    128-row query box and 128-key box per axis (``tiles.choose_tiles``, leading dummy axes first), whether some key
+    box of some program needs a mask, the programs per batch element and head, the query tiles per axis and the
+    window tables (``window_tables``)."""
+    from . import launch
+
+    pad = 3 - params.rank
+    axes = tiles.axes_of(params)
+    q_tile, kv_tile = tiles.choose_tiles(axes, ROWS, COLS)
+    masked = tiles.partial_axes(axes, q_tile, kv_tile) > 0
+    q_tile, kv_tile = (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile)
+    window, programs = launch._window_args(params, q_tile)
+    return q_tile, kv_tile, masked, programs, tuple(window[12:15]), window_tables(params, q_tile, device)
+
+
+def fixup_meta(params: NAParams, q_tile, d: int) -> dict:
+    """The constexprs of a non-finite fixup kernel over the query boxes ``q_tile`` (``na_fwd_nonfinite_kernel``,
+    ``hopper_dq.na_bwd_dq_nonfinite_kernel``)."""
+    from . import launch
+
+    C = launch._axes3(params)[4]
+    return dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
+                T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], BLOCK_D=d, IDX64=False, SUB=launch.gather_rows(d, d),
+                num_warps=4, num_stages=1)
+
+
 def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperForward:
     """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted."""
     from . import launch
 
     b, n, hq, hkv, d = q4.shape[0], params.num_tokens, q4.shape[-2], k4.shape[-2], q4.shape[-1]
-    pad = 3 - params.rank
-    axes = tiles.axes_of(params)
-    q_tile, kv_tile = tiles.choose_tiles(axes, ROWS, COLS)
-    q_tile, kv_tile = (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile)
-    masked = tiles.partial_axes(axes, q_tile[pad:], kv_tile[pad:]) > 0
-    window, programs = launch._window_args(params, q_tile)
-    L, K, S, _, C = launch._axes3(params)
-    nt = tuple(window[12:15])
-    starts, spans, row_offsets = window_tables(params, q_tile, q4.device)
+    q_tile, kv_tile, masked, programs, nt, (starts, spans, row_offsets) = query_boxes(params, q4.device)
+    L, K, S, _, _ = launch._axes3(params)
     lse_strides = (n * hq, hq) if need_lse else (0, 0)
     out_strides = (n * hq * d, hq * d, d)
     qk_scale = scale * kernels.LOG2E
@@ -498,11 +518,9 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperFo
     meta = dict(STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *out_strides, *lse_strides,
                      hq, hq // hkv, d, qk_scale, *L, *K, *S, *nt)
-    fixup_meta = dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
-                      T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], BLOCK_D=d, IDX64=False, STORE_LSE=need_lse,
-                      SUB=launch.gather_rows(d, d), num_warps=4, num_stages=1)
     return HopperForward(q_tile, kv_tile, (programs, b * hq), masked, starts, spans, row_offsets, scalars,
-                         meta, fixup_scalars, fixup_meta, launch.host_kv_layouts(params, q4, q4, box)[0],
+                         meta, fixup_scalars, dict(fixup_meta(params, q_tile, d), STORE_LSE=need_lse),
+                         launch.host_kv_layouts(params, q4, q4, box)[0],
                          launch.host_kv_layouts(params, k4, v4, kv_tile))
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import hopper, kernels, tiles
+from . import hopper, kernels
 from .kernels import _dq_by_offset, _program_group
 from ..window import NAParams
 
@@ -215,15 +215,8 @@ def plan(q4, k4, v4, do4, o4, params: NAParams, scale: float, dq) -> HopperDq:
     from . import launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
-    pad = 3 - params.rank
-    axes = tiles.axes_of(params)
-    q_tile, kv_tile = tiles.choose_tiles(axes, hopper.ROWS, hopper.COLS)
-    masked = tiles.partial_axes(axes, q_tile, kv_tile) > 0
-    q_tile, kv_tile = (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile)
-    window, programs = launch._window_args(params, q_tile)
-    L, K, S, _, C = launch._axes3(params)
-    nt = tuple(window[12:15])
-    starts, spans, row_offsets = hopper.window_tables(params, q_tile, q4.device)
+    q_tile, kv_tile, masked, programs, nt, (starts, spans, row_offsets) = hopper.query_boxes(params, q4.device)
+    L, K, S, _, _ = launch._axes3(params)
     lse_strides = (params.num_tokens * hq, hq)
     box, offset = hopper.half_box(q_tile)
     scalars = (*launch._strides(o4), *launch._strides(dq), *lse_strides, hq, hq // hkv, scale * kernels.LOG2E, scale,
@@ -232,12 +225,9 @@ def plan(q4, k4, v4, do4, o4, params: NAParams, scale: float, dq) -> HopperDq:
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *launch._strides(do4),
                      *lse_strides, *launch._strides(dq), hq, hq // hkv, d, scale * kernels.LOG2E, scale, *L, *K, *S,
                      *nt)
-    fixup_meta = dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
-                      T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], BLOCK_D=d, IDX64=False,
-                      SUB=launch.gather_rows(d, d), num_warps=4, num_stages=1)
     return HopperDq((programs, b * hq), starts, spans, row_offsets, (*scalars, int(masked)), meta, fixup_scalars,
-                    fixup_meta, launch.host_kv_layouts(params, q4, do4, box), launch.host_kv_layouts(params, k4, v4,
-                                                                                                      kv_tile))
+                    hopper.fixup_meta(params, q_tile, d), launch.host_kv_layouts(params, q4, do4, box),
+                    launch.host_kv_layouts(params, k4, v4, kv_tile))
 
 
 def run(bw: HopperDq, q4, k4, v4, do4, o4, lse, dlse, delta, dq) -> None:
