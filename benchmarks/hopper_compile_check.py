@@ -1,16 +1,22 @@
 """Compile the Hopper kernels (Gluon: the forward in ``ops/fused/hopper.py``, dQ in ``ops/fused/hopper_dq.py``, dK/dV
 in ``ops/fused/hopper_dkdv.py``) for sm_90 without a GPU and report their resources.
 
-    python benchmarks/hopper_compile_check.py
+    python benchmarks/hopper_compile_check.py [--order] [--kernel fwd|dq|dkdv ...]
 
 Like ``fused_compile_check.py``: Triton's ahead-of-time path and the ptxas bundled with Triton, so a Gluon error,
-a register spill or a missing ``wgmma`` / ``setmaxnreg`` shows before any device time is spent.  Gluon changes from
-one Triton release to the next: check with the device's Triton version (a separate environment, e.g.
+a register spill or a missing ``wgmma`` / ``setmaxnreg`` shows before any device time is spent.  ``--order`` also
+prints the consumers' main loops in the order ptxas scheduled them (``loop_orders``): where each ``wgmma`` wait falls
+among the softmax's exponentials decides whether the softmax overlaps a matmul.  Gluon changes from one Triton
+release to the next: check with the device's Triton version (a separate environment, e.g.
 ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``).
 """
+import argparse
 import math
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,19 +82,79 @@ def compile_case(kernel, q_tile, kv_tile, dim):
     compiled = triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     ptx = compiled.asm["ptx"]
-    return ptxas_usage(ptx), "wgmma" in ptx, ptx.count("setmaxnreg")
+    return ptxas_usage(ptx), "wgmma" in ptx, ptx.count("setmaxnreg"), compiled.asm["cubin"]
+
+
+# SASS instructions that order a consumer's loop step, by the name ``loop_orders`` prints for them
+EVENTS = (("HGMMA", "mma"), ("WARPGROUP.DEPBAR", "wait"), ("MUFU.EX2", "exp"), ("F2FP", "cvt"), ("BAR.SYNC", "bar"),
+          ("SYNCS.ARRIVE", "arrive"), ("SYNCS.PHASECHK", "mbarrier-wait"))
+
+
+def sass_of(cubin: bytes) -> str:
+    """The SASS of a compiled kernel, from the nvdisasm bundled with Triton."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as fh:
+            fh.write(cubin)
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
+def loop_orders(sass: str) -> list:
+    """The loops (a conditional backward branch and its target; the unconditional ones jump back from the retry
+    stubs of mbarrier waits) holding two committed ``wgmma`` groups, i.e. the consumers' steady-state steps, each as
+    a list of ``(event, count)`` runs in program order; a wait is named with the number of groups it leaves in
+    flight (``wait<=1``)."""
+    lines, labels = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(lines)
+        elif re.match(r"\s*/\*[0-9a-f]{4,}\*/", line):
+            lines.append(line.split("*/", 1)[1].strip())
+    loops = []
+    for i, text in enumerate(lines):
+        target = re.match(r"@!?U?P\d\s+BRA\s.*`\((\.L_x_\d+)\)", text)
+        j = labels.get(target.group(1), i) if target else i
+        body = lines[j:i + 1]
+        if j < i and sum("HGMMA" in t and "gsb0" in t for t in body) >= 2:
+            loops.append(body)
+    orders = []
+    for body in loops:
+        runs = []
+        for text in body:
+            op = text.split()[1] if text.startswith("@") else text.split()[0]
+            name = next((n for prefix, n in EVENTS if op.startswith(prefix)), None)
+            if name == "wait":
+                name = f"wait<={int(text.rstrip(' ;').split(',')[-1], 16)}"
+            if name and runs and runs[-1][0] == name:
+                runs[-1][1] += 1
+            elif name:
+                runs.append([name, 1])
+        orders.append([tuple(r) for r in runs])
+    return orders
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--order", action="store_true", help="print each consumer loop's scheduled order")
+    ap.add_argument("--kernel", action="append", choices=("fwd", "dq", "dkdv"), help="only these kernels' cases")
+    args = ap.parse_args()
     if hopper.gluon is None:
         sys.exit("this Triton has no Gluon")
     for kernel, q_tile, kv_tile, dim in CASES:
+        if args.kernel and kernel not in args.kernel:
+            continue
         try:
-            (regs, spill), wgmma, setmaxnreg = compile_case(kernel, q_tile, kv_tile, dim)
+            (regs, spill), wgmma, setmaxnreg, cubin = compile_case(kernel, q_tile, kv_tile, dim)
             print(f"{kernel} q {q_tile} kv {kv_tile} D {dim}: ok  regs={regs} spill_bytes={spill} wgmma={wgmma} "
                   f"setmaxnreg={setmaxnreg}", flush=True)
         except Exception as err:  # report every case
             print(f"{kernel} q {q_tile} kv {kv_tile} D {dim}: FAIL {type(err).__name__}: {str(err).strip()[-300:]}", flush=True)
+            continue
+        if args.order:
+            for order in loop_orders(sass_of(cubin)):
+                print("    loop: " + " ".join(f"{name}x{count}" if count > 1 else name for name, count in order))
 
 
 if __name__ == "__main__":

@@ -2,12 +2,15 @@
 against the dense float64 oracle.
 
 The kernels need an sm_90 GPU (``gpu`` tests); their host sides (eligibility, tiles, window tables) are plain torch
-and run here too.  Each GPU case asserts that the call took the Hopper kernel, poisons every output buffer with NaN
+and run here too, and so does an offline sm_90 compile that checks the forward's scheduled loop.  Each GPU case asserts that the call took the Hopper kernel, poisons every output buffer with NaN
 first, and covers masked and mask-free launches, padded tiles, GQA, causal and strided axes, both 16-bit dtypes and
 both head dims.
 """
 import math
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +24,9 @@ import ops  # noqa: E402
 from ops.fused import hopper, hopper_dkdv, hopper_dq, launch  # noqa: E402
 from ops.window import NAParams, axis_window  # noqa: E402
 from tests.oracle import RandomProblem, dense_mask_and_bias_index, oracle_attention  # noqa: E402
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _params(spatial, kernel, stride=None, causal=None):
@@ -383,3 +389,40 @@ def test_gpu_dq_nonfinite_keys_stay_in_their_windows(poisoned):
     keep = ~expect_nan
     assert torch.isfinite(dq[:, keep]).all()
     assert ((dq[:, keep] - ref[:, keep]).abs().max() / ref[:, keep].abs().max()).item() < 4 * TOL[torch.bfloat16]
+
+
+def _scheduled_loops(kernel):
+    """``{case: [loop, ...]}`` from ``benchmarks/hopper_compile_check.py --order``, each loop a list of ``(event,
+    count)``: the kernel compiled offline for sm_90 in a process of its own (this one runs Triton's interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hopper_compile_check.py"), "--order",
+                          "--kernel", kernel], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loops, case = {}, None
+    for line in run.stdout.splitlines():
+        if line.startswith(kernel):
+            assert ": ok" in line, line
+            case = line.split(":")[0]
+            loops[case] = []
+        elif line.startswith("    loop: "):
+            loops[case].append([(m.group(1), int(m.group(2) or 1)) for m in
+                                (re.fullmatch(r"(.+?)(?:x(\d+))?", token) for token in line.split()[1:])])
+    return loops
+
+
+@pytest.mark.skipif(hopper.gluon is None, reason="needs Triton's Gluon dialect")
+def test_forward_softmax_runs_under_the_value_matmul():
+    """In each consumer's compiled loop every exponential of the softmax lies between the wait for the score matmul
+    and the wait for the value matmul issued with it, so the softmax overlaps that matmul (ptxas, left to itself,
+    hoists the second wait to the first)."""
+    loops = _scheduled_loops("fwd")
+    assert len(loops) == 4
+    for case, orders in loops.items():
+        assert len(orders) == 2, case  # one loop per consumer
+        for order in orders:
+            names = [name for name, _ in order]
+            first = names.index("wait<=1")
+            second = names.index("wait<=0", first)
+            exps = sum(count for name, count in order if name == "exp")
+            assert exps >= 64, (case, order)
+            assert sum(count for name, count in order[first:second] if name == "exp") == exps, (case, order)

@@ -249,6 +249,17 @@ if gluon is not None:
         mbarrier.arrive(turns.index(1 - half), count=1)
 
     @gluon.jit
+    def _wait_after_softmax(acc, p, always):
+        """``acc`` once the value matmul in flight is done, waited for after the softmax that made ``p``.  ptxas
+        moves a ``wgmma`` wait up its basic block to the previous wait (the score matmul's), which would put the
+        whole softmax after the value matmul instead of under it; a first wait in a branch of its own ends the
+        block after the softmax.  ``always`` is a condition that holds but that the compiler cannot fold (the
+        positive scale); where it did not hold, the second wait would still retire the matmul."""
+        if always:
+            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    @gluon.jit
     def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, turns, O, LSE, FLAGS, STARTS,
                  ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
                  in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask,
@@ -303,11 +314,11 @@ if gluon is not None:
                 s = _mask_box(s, nxt, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
                               start0, stop0, start1, stop1, start2, stop2, U0, U1, U2)
             p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            p_next = gl.convert_layout(p_next.to(dtype), p_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = _wait_after_softmax(acc, p_next, qk_scale > 0.0)
             mbarrier.arrive(v_empty.index(t % stages), count=1)
+            # only now P's registers (the value matmul's operand) and the accumulator may be written
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            p = p_next
+            p = gl.convert_layout(p_next.to(dtype), p_layout)
         last = n_tiles - 1
         mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
         _await_turn(turns, half, n_tiles)
