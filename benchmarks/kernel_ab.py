@@ -3,15 +3,18 @@
     python3 benchmarks/kernel_ab.py PROBLEM [--backward] [--rounds N] [--rep MS] [--set MOD.ATTR=VALUE]
         [--force NAME:KERNEL=OUTER,INNER,WARPS,STAGES,TMA,MAXNREG] NAME=PATH ...
 
-Each NAME=PATH is a copy of ops/fused/kernels.py (``base`` is the checked-out one, always timed first); the launcher
-is pointed at each variant's module in turn, its plans cleared, and ``ops.bench``'s call of the problem timed with
-``do_bench`` (median of each round; medians over rounds reported).  Every variant's output (and gradients with
-``--backward``) is compared with the base's (max abs difference), and one that differs by more than 1e-2 is flagged.
+Each NAME=PATH is a copy of ops/fused/kernels.py, and NAME=MODULE:PATH one of another kernel module the launcher
+calls (``hopper``, ``hopper_dq``, ``hopper_dkdv``: e.g. ``old=hopper:/tmp/hopper.py`` from ``git show``); ``base`` is
+the checked-out code, always timed first.  The launcher is pointed at each variant's module in turn, its plans
+cleared, and ``ops.bench``'s call of the problem timed with ``do_bench`` (median of each round; medians over rounds
+reported).  Every variant's output (and gradients with ``--backward``) is compared with the base's (max abs
+difference), and one that differs by more than 1e-2 is flagged.
 ``--set launch.X=V`` / ``rpb_grad.X=V`` sets a module constant for variants named ``NAME@set`` (the same source);
 ``--force NAME:fwd=64,64,4,2,1,128`` pins variant NAME's kernel to an ``autotune.Config`` (MAXNREG 0: none)."""
 import argparse
 import importlib.util
 import statistics
+import sys
 
 import torch
 import triton.testing
@@ -20,9 +23,13 @@ from ops import bench
 from ops.fused import autotune, launch, rpb_grad
 
 
+MODULES = ("kernels", "hopper", "hopper_dq", "hopper_dkdv")  # the launcher's kernel modules a variant may replace
+
+
 def load(name, path):
     spec = importlib.util.spec_from_file_location(f"ops.fused._variant_{name}", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (dataclasses look their module up while it runs)
     spec.loader.exec_module(mod)
     return mod
 
@@ -43,16 +50,19 @@ def main():
         p = bench.parse_custom(args.problem)
     else:
         p = problems[args.problem]
-    base = launch.kernels
+    base = {module: getattr(launch, module) for module in MODULES}
     mods = {"base": (base, {})}
     for item in args.variants:
         name, path = item.split("=", 1)
+        module, path = path.split(":", 1) if ":" in path else ("kernels", path)
+        if module not in MODULES:
+            raise SystemExit(f"{item}: the module must be one of {', '.join(MODULES)}")
         sets = {}
         if name.endswith("@set"):
             for s in args.set:
                 key, value = s.split("=", 1)
                 sets[key] = eval(value)  # noqa: S307  (experiment script: literal values)
-        mods[name] = (base if path == "base" else load(name, path), sets)
+        mods[name] = (base if path == "base" else dict(base, **{module: load(name, path)}), sets)
     forced = {}
     for item in args.force:
         name, spec = item.split(":", 1)
@@ -66,8 +76,9 @@ def main():
     modules = {"launch": launch, "rpb_grad": rpb_grad}
 
     def activate(name):
-        mod, sets = mods[name]
-        launch.kernels = mod
+        variant, sets = mods[name]
+        for module, mod in variant.items():
+            setattr(launch, module, mod)
         autotune._forced.clear()
         autotune._forced.update(forced.get(name, {}))
         for key, value in sets.items():
