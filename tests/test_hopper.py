@@ -132,6 +132,25 @@ def test_unsupported_names_the_reason():
         assert "disabled" in hopper.unsupported(q4, q4, q4, None, params, 0.1)
 
 
+def test_the_reason_for_the_portable_kernels_is_logged(caplog):
+    """Each kernel of a fused call that stays on the portable kernels says why, once, on the launcher's debug log."""
+    launch._FORWARD.clear()
+    launch._BACKWARD.clear()
+    q = torch.randn(1, 8, 8, 2, 16, requires_grad=True)
+    with caplog.at_level("DEBUG", logger="ops.fused.launch"):
+        ops.na2d(q, q, q, kernel_size=3, backend="fused").sum().backward()
+        ops.na2d(q, q, q, kernel_size=3, backend="fused").sum().backward()  # planned already: logged once
+    launch._FORWARD.clear()
+    launch._BACKWARD.clear()
+    q4 = q.detach().view(1, 64, 2, 16)
+    why = hopper.unsupported(q4, q4, q4, None, _params((8, 8), (3, 3)), 0.25)  # (on a CPU: no sm_90 GPU)
+    messages = [r.getMessage() for r in caplog.records if r.name == "ops.fused.launch"]
+    for kernel in ("forward", "dQ", "dK/dV"):
+        said = [m for m in messages if m.startswith(f"fused {kernel}: portable kernel; not the Hopper kernel: ")]
+        assert len(said) == 1, messages
+        assert said[0].endswith(why), said
+
+
 # --- on the GPU -------------------------------------------------------------------------------------------------
 
 def _sm90():
