@@ -86,10 +86,19 @@ def build(fn, constexprs, ints, warps, stages, maxnreg, cc):
     options = {"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
     compiled = triton.compile(triton.compiler.ASTSource(fn, signature, constants, attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
-        fh.write(compiled.asm["cubin"])
+    return disassemble(compiled.asm["cubin"]), compiled
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a compiled kernel, from the nvdisasm bundled with Triton."""
+    import triton
+
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    return subprocess.run([nvdisasm, "-c", fh.name], capture_output=True, text=True, check=True).stdout, compiled
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as fh:
+            fh.write(cubin)
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
 
 
 # An H100 SM (sm_90): 64K registers allocated per warp in units of 256, 228 KiB of shared memory of which each
@@ -112,7 +121,8 @@ def resources(compiled, cc) -> tuple[int, int, int]:
 
 
 def blocks(sass: str):
-    """[(label, [(address, opcode, branch target)])] in program order."""
+    """[(label, [(address, opcode, branch target, instruction)])] in program order; the instruction without its
+    predicate."""
     out, current = [], ("entry", [])
     for line in sass.splitlines():
         label = re.match(r"^\s*(\.L_x_\d+):", line)
@@ -124,26 +134,33 @@ def blocks(sass: str):
         if ins:
             text = re.sub(r"^@!?U?P\w+\s+", "", ins.group(2))
             target = re.search(r"`\((\.L_x_\d+)\)", text)
-            current[1].append((int(ins.group(1), 16), text.split()[0].split(".")[0], target and target.group(1)))
+            current[1].append((int(ins.group(1), 16), text.split()[0].split(".")[0], target and target.group(1), text))
     out.append(current)
     return [b for b in out if b[1]]
 
 
+def last_exit(found) -> int:
+    """The address of the last EXIT of ``blocks``' output: ptxas places the retry loops of barrier waits after it."""
+    return max(address for _, ins in found for address, op, *_ in ins if op == "EXIT")
+
+
+def loop_ranges(found) -> list:
+    """(first, last address) of each backward branch's range in ``blocks``' output, the kernel's loops; the
+    out-of-line retry loops of barrier waits after the last EXIT are not among them."""
+    start = {label: ins[0][0] for label, ins in found}
+    end = last_exit(found)
+    return [(start[target], address) for _, ins in found for address, _, target, _ in ins
+            if target in start and start[target] <= address <= end]
+
+
 def report(sass: str) -> None:
     found = blocks(sass)
-    start = {label: ins[0][0] for label, ins in found}
-    # (first, last address) of each backward branch's range; the out-of-line retry loops of barrier waits that
-    # ptxas places after the last EXIT are not the kernel's loops
-    end = max(address for _, ins in found for address, op, _ in ins if op == "EXIT")
-    loops = []
-    for _, ins in found:
-        for address, _, target in ins:
-            if target in start and start[target] <= address <= end:
-                loops.append((start[target], address))
+    end = last_exit(found)
+    loops = loop_ranges(found)
     total = 0
     print(f"{'block':>10} {'instr':>6} {'loop':>5}  opcodes")
     for label, ins in found:
-        ops = [op for _, op, _ in ins if op != "NOP"]
+        ops = [op for _, op, *_ in ins if op != "NOP"]
         total += len(ops)
         inside = any(lo <= ins[0][0] <= hi for lo, hi in loops)
         if ins[0][0] > end:

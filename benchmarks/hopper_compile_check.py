@@ -13,10 +13,7 @@ release to the next: check with the device's Triton version (a separate environm
 import argparse
 import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +23,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+import fused_sass  # noqa: E402
 from fused_compile_check import ptxas_usage  # noqa: E402
 from ops.fused import hopper, hopper_dkdv, hopper_dq  # noqa: E402
 
@@ -90,43 +88,22 @@ EVENTS = (("HGMMA", "mma"), ("WARPGROUP.DEPBAR", "wait"), ("MUFU.EX2", "exp"), (
           ("SYNCS.ARRIVE", "arrive"), ("SYNCS.PHASECHK", "mbarrier-wait"))
 
 
-def sass_of(cubin: bytes) -> str:
-    """The SASS of a compiled kernel, from the nvdisasm bundled with Triton."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "kernel.cubin")
-        with open(path, "wb") as fh:
-            fh.write(cubin)
-        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
-
-
 def loop_orders(sass: str) -> list:
-    """The loops (a conditional backward branch and its target; the unconditional ones jump back from the retry
-    stubs of mbarrier waits) holding two committed ``wgmma`` groups, i.e. the consumers' steady-state steps, each as
-    a list of ``(event, count)`` runs in program order; a wait is named with the number of groups it leaves in
-    flight (``wait<=1``)."""
-    lines, labels = [], {}
-    for line in sass.splitlines():
-        label = re.match(r"\s*(\.L_x_\d+):", line)
-        if label:
-            labels[label.group(1)] = len(lines)
-        elif re.match(r"\s*/\*[0-9a-f]{4,}\*/", line):
-            lines.append(line.split("*/", 1)[1].strip())
-    loops = []
-    for i, text in enumerate(lines):
-        target = re.match(r"@!?U?P\d\s+BRA\s.*`\((\.L_x_\d+)\)", text)
-        j = labels.get(target.group(1), i) if target else i
-        body = lines[j:i + 1]
-        if j < i and sum("HGMMA" in t and "gsb0" in t for t in body) >= 2:
-            loops.append(body)
+    """The innermost loops (``fused_sass.loop_ranges``) that hold two committed ``wgmma`` groups, i.e. the consumers'
+    steady-state steps, each as a list of ``(event, count)`` runs in program order; a wait is named with the number
+    of groups it leaves in flight (``wait<=1``)."""
+    found = fused_sass.blocks(sass)
+    instructions = [(address, text) for _, ins in found for address, _, _, text in ins]
+    ranges = [(lo, hi) for lo, hi in fused_sass.loop_ranges(found)
+              if sum(lo <= a <= hi and text.startswith("HGMMA") and "gsb0" in text for a, text in instructions) >= 2]
+    innermost = [r for r in ranges if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in ranges)]
     orders = []
-    for body in loops:
+    for lo, hi in innermost:
         runs = []
-        for text in body:
-            op = text.split()[1] if text.startswith("@") else text.split()[0]
-            name = next((n for prefix, n in EVENTS if op.startswith(prefix)), None)
+        for address, text in instructions:
+            name = next((n for prefix, n in EVENTS if text.startswith(prefix)), None) if lo <= address <= hi else None
             if name == "wait":
-                name = f"wait<={int(text.rstrip(' ;').split(',')[-1], 16)}"
+                name = f"wait<={int(text.split(',')[-1], 16)}"
             if name and runs and runs[-1][0] == name:
                 runs[-1][1] += 1
             elif name:
@@ -153,7 +130,7 @@ def main():
             print(f"{kernel} q {q_tile} kv {kv_tile} D {dim}: FAIL {type(err).__name__}: {str(err).strip()[-300:]}", flush=True)
             continue
         if args.order:
-            for order in loop_orders(sass_of(cubin)):
+            for order in loop_orders(fused_sass.disassemble(cubin)):
                 print("    loop: " + " ".join(f"{name}x{count}" if count > 1 else name for name, count in order))
 
 

@@ -2,13 +2,13 @@
 against the dense float64 oracle.
 
 The kernels need an sm_90 GPU (``gpu`` tests); their host sides (eligibility, tiles, window tables) are plain torch
-and run here too, and so does an offline sm_90 compile that checks the forward's scheduled loop.  Each GPU case asserts that the call took the Hopper kernel, poisons every output buffer with NaN
-first, and covers masked and mask-free launches, padded tiles, GQA, causal and strided axes, both 16-bit dtypes and
-both head dims.
+and run here too, and so does an offline sm_90 compile that checks the forward's scheduled loop.  Each GPU case
+asserts that the call took the Hopper kernel, poisons every output buffer with NaN first, and covers masked and
+mask-free launches, padded tiles, GQA, causal and strided axes, both 16-bit dtypes and both head dims.
 """
+import json
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -411,22 +411,16 @@ def test_gpu_dq_nonfinite_keys_stay_in_their_windows(poisoned):
 
 
 def _scheduled_loops(kernel):
-    """``{case: [loop, ...]}`` from ``benchmarks/hopper_compile_check.py --order``, each loop a list of ``(event,
-    count)``: the kernel compiled offline for sm_90 in a process of its own (this one runs Triton's interpreter)."""
+    """``{case: [loop, ...]}``: ``benchmarks/hopper_compile_check.py``'s ``loop_orders`` of each of its cases of
+    ``kernel``, each loop a list of ``(event, count)``; compiled offline for sm_90 in a process of its own (this one
+    runs Triton's interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hopper_compile_check.py"), "--order",
-                          "--kernel", kernel], env=env, capture_output=True, text=True, timeout=900)
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import hopper_compile_check as h; "
+            "print(json.dumps({str(case): h.loop_orders(h.fused_sass.disassemble(h.compile_case(*case)[3])) "
+            f"for case in h.CASES if case[0] == {kernel!r}}}))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    loops, case = {}, None
-    for line in run.stdout.splitlines():
-        if line.startswith(kernel):
-            assert ": ok" in line, line
-            case = line.split(":")[0]
-            loops[case] = []
-        elif line.startswith("    loop: "):
-            loops[case].append([(m.group(1), int(m.group(2) or 1)) for m in
-                                (re.fullmatch(r"(.+?)(?:x(\d+))?", token) for token in line.split()[1:])])
-    return loops
+    return json.loads(run.stdout.splitlines()[-1])
 
 
 @pytest.mark.skipif(hopper.gluon is None, reason="needs Triton's Gluon dialect")
