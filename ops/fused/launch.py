@@ -497,12 +497,14 @@ def _bias_tiles_spec(kernel, programs: int, heads: int, scale: float, window, bo
     return launch, heads * programs * boxes * tile, dtype
 
 
-def _takes_hopper(kernel: str, why) -> bool:
-    """Whether a launch plan runs ``kernel`` on its Hopper kernel: ``why`` is ``None`` where it can, else the reason it
-    cannot (``False``: the plan builds no host descriptors, which the Hopper kernels read every tile through).  The
-    reason goes to this module's debug log, once per plan (plans are cached)."""
-    if why is False:
-        why = "the launch builds no host descriptors (the eager block's training path)"
+# why a plan with ``host_descriptors=False`` keeps every kernel off its Hopper kernel, which reads every tile through
+# host-built descriptors
+NO_HOST_DESCRIPTORS = "the launch builds no host descriptors (the eager block's training path)"
+
+
+def _takes_hopper(kernel: str, why: str | None) -> bool:
+    """Whether a launch plan runs ``kernel`` on its Hopper kernel (``why`` is ``None``); else ``why``, the reason,
+    goes to this module's debug log, once per plan (plans are cached)."""
     if why is not None:
         log.debug("fused %s: portable kernel; not the Hopper kernel: %s", kernel, why)
     return why is None
@@ -521,8 +523,8 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
     has_rpb = rpb is not None
     tma_ok = tma_eligible(k4, v4)
     host_desc = host_descriptors and tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
-    on_hopper = hopper.plan(q4, k4, v4, params, scale, need_lse) if _takes_hopper(
-        "forward", host_descriptors and hopper.unsupported(q4, k4, v4, rpb, params, scale)) else None
+    why = hopper.unsupported(q4, k4, v4, rpb, params, scale) if host_descriptors else NO_HOST_DESCRIPTORS
+    on_hopper = hopper.plan(q4, k4, v4, params, scale, need_lse) if _takes_hopper("forward", why) else None
     if on_hopper is not None:
         return ForwardPlan((), n, (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
                            as_tokens=not _same_memory(((q4, q), (k4, k), (v4, v))), rpb_direct=False,
@@ -797,13 +799,13 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dk"], s["dv"],
                                *descriptor_args(q4, layouts, (k4, v4), (q4, do4)), _bias_tiles(tiles, s["table"], q4)))
 
-    dq_on_hopper = hopper_dq.plan(q4, k4, v4, do4, o4, params, scale, grads[0]) if _takes_hopper(
-        "dQ", host_descriptors and hopper_dq.unsupported(q4, k4, v4, do4, o4, rpb, params, scale)) else None
+    why = hopper_dq.unsupported(q4, k4, v4, do4, o4, rpb, params, scale) if host_descriptors else NO_HOST_DESCRIPTORS
+    dq_on_hopper = hopper_dq.plan(q4, k4, v4, do4, o4, params, scale, grads[0]) if _takes_hopper("dQ", why) else None
     dq_config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tunable=dq_on_hopper is None, tma=dq_tma_ok,
                               host_descriptors=dq_host)
     dq_launches, dq_layouts, dq_tiles, dq_offsets = decide_dq(dq_config)
-    on_hopper = hopper_dkdv.plan(q4, k4, v4, do4, params, scale, grads[1:]) if _takes_hopper(
-        "dK/dV", host_descriptors and hopper_dkdv.unsupported(q4, k4, v4, do4, rpb, params, scale)) else None
+    why = hopper_dkdv.unsupported(q4, k4, v4, do4, rpb, params, scale) if host_descriptors else NO_HOST_DESCRIPTORS
+    on_hopper = hopper_dkdv.plan(q4, k4, v4, do4, params, scale, grads[1:]) if _takes_hopper("dK/dV", why) else None
     config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tunable=on_hopper is None, tma=dkdv_tma_ok,
                            host_descriptors=dkdv_host)
     dkdv_launches, dkdv_layouts, dkdv_tiles = decide_dkdv(config)
