@@ -52,7 +52,7 @@ def pad3(t, fill):
     return (fill,) * (3 - len(t)) + tuple(t)
 
 
-def int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer):
+def int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer, inner):
     """The kernel's integer arguments for contiguous [B, N, H, D] tensors (lse / delta: [B, N, H])."""
     L, K, S, D = pad3(spatial, 1), pad3(kernel_size, 1), pad3(stride, 1), pad3(dilation, 1)
     n = math.prod(L)
@@ -61,6 +61,10 @@ def int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer):
         groups = -(-L[i] // D[i])
         values.update({f"L{i}": L[i], f"K{i}": K[i], f"S{i}": S[i], f"D{i}": D[i],
                        f"NT{i}": -(-groups // outer[i]), f"NU{i}": -(-groups // outer[i])})
+    # the most key boxes a program visits (``tiles.max_boxes``, which needs torch); the kernels use it only to address
+    # bias tiles, so the compile sees only whether it is 1 or a multiple of 16, and this bound keeps that for
+    # unstrided windows: a tile of ``outer`` positions reaches at most ``outer + K - 1`` of them per axis
+    values["BOXES"] = math.prod(-(-(t + k - 1) // u) for t, k, u in zip(outer, K, inner))
     for name in fn.arg_names:
         if re.fullmatch(r"s[a-z]{0,2}[bth]", name):  # strides: batch, token, head
             rows = name.startswith("sl")  # lse / delta have no head dim
@@ -214,7 +218,7 @@ def main():
         constexprs.update(BISECT=max(g.bit_length() for g in groups), QUERY_ROWS=math.prod(q_tile) >= 64,
                           HOST_DESC=args.tma and args.host_desc, MASK_IN_DOT=tiles or args.mask_in_dot)
     constexprs = cc.launcher_defaults(fn, constexprs)
-    ints = int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer)
+    ints = int_arguments(fn, b, h, d, spatial, kernel_size, stride, dilation, outer, inner)
     sass, compiled = build(fn, constexprs, ints, args.warps, args.stages, args.maxnreg, cc)
     report(sass)
     if args.dump:
