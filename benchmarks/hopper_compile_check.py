@@ -56,7 +56,7 @@ def compile_case(kernel, q_tile, kv_tile, dim):
         module, fn = (hopper, hopper.na_fwd_hopper_kernel) if kernel == "fwd" else (hopper_dq,
                                                                                     hopper_dq.na_bwd_dq_hopper_kernel)
         half = hopper.half_box(q_tile)[0]
-        boxes = {"q_desc": half, "do_desc": half, "k_desc": kv_tile, "v_desc": kv_tile}
+        boxes = {"q_desc": half, "o_desc": half, "do_desc": half, "k_desc": kv_tile, "v_desc": kv_tile}
     else:  # each consumer holds 64 keys: its half of a 128-key tile, or all of a 64-key one
         module, fn = hopper_dkdv, hopper_dkdv.na_bwd_dkdv_hopper_kernel
         keys = hopper.half_box(kv_tile)[0] if math.prod(kv_tile) == 128 else kv_tile

@@ -260,10 +260,10 @@ if gluon is not None:
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
-    def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, turns, O, LSE, FLAGS, STARTS,
-                 ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
-                 in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask,
-                 half):
+    def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, turns, o_desc, LSE, FLAGS,
+                 STARTS, ROW_OFFSETS, b, h, program, first0, first1, first2, half0, half1, half2, lo0, lo1, lo2, in_lo0,
+                 in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, slb, slt, qk_scale, L0, L1, L2, LMAX,
+                 store_lse, mask, half):
         """Consumer: 64 query rows against every stage the producer fills, then their output, lse and flags.
         FlashAttention-3's order: the next box's scores and this box's values are issued together, and the next box's
         softmax runs while the value matmul is on the tensor cores."""
@@ -334,18 +334,23 @@ if gluon is not None:
                      mask=q_ok)
         nonfinite = gl.convert_layout(gl.sum(out * 0.0, 1) != 0.0, s_rows)
         gl.store(FLAGS + program * (2 * h_rows) + r, nonfinite.to(gl.int8))
-        tok_o = gl.convert_layout(tok, o_rows)
-        ok_o = gl.convert_layout(q_ok, o_rows)
-        d = gl.arange(0, block_d, layout=gl.SliceLayout(0, o_layout))
-        gl.store(O + b.to(gl.int64) * sob + h * soh + tok_o[:, None] * sot + d[None, :], out.to(dtype),
-                 mask=ok_o[:, None])
+        # The output leaves through this consumer's half of the query box in shared memory (free since its last score
+        # matmul) and one bulk copy, which drops the rows past an axis' end; the program ends once the copy has read
+        # shared memory, instead of once 64 strided register stores per thread have issued.
+        o_smem = q_smem.index(half)
+        o_smem.reshape([h_rows, block_d]).store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, first0 + half * half0, first1 + half * half1,
+                                                 first2 + half * half2, h * block_d], o_smem)
+        tma.store_wait(0)
 
     @gluon.jit
-    def na_fwd_hopper_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS,
-                             sob, sot, soh, slb, slt, HQ, GROUP, qk_scale, L0, L1, L2, NT0, NT1, NT2, LMAX, NTMAX,
+    def na_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS,
+                             slb, slt, HQ, GROUP, qk_scale, L0, L1, L2, NT0, NT1, NT2, LMAX, NTMAX,
                              half0, half1, half2, store_lse, mask, STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                              PRODUCER_REGS_: gl.constexpr):
-        # q_desc / k_desc / v_desc: Q, K and V as [B, L0, L1, L2, heads * D]; Q in boxes of half a query tile (the
+        # q_desc / k_desc / v_desc / o_desc: Q, K, V and O as [B, L0, L1, L2, heads * D]; Q and O in boxes of half a
+        # query tile (the
         # leading axis longer than 1 halved: the first 64 rows in row-major order; ``half*``: the second half's offset
         # per axis), K and V in (1, U0, U1, U2, D) boxes.  STARTS[axis, position] = (start,
         # stop) of the position's window; SPANS[axis, tile] = (lo, hi, in_lo, in_hi, first query, -, -, -) of a query
@@ -366,9 +371,9 @@ if gluon is not None:
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         _load_halves(q_desc, q_smem, q_bar, b, first0, first1, first2, half0, half1, half2, h * BLOCK_D)
 
-        args = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, turns, O, LSE, FLAGS, STARTS,
-                ROW_OFFSETS, b, h, program, first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
-                in_lo2, in_hi2, n12, n2, n_tiles, sob, sot, soh, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
+        args = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_bar, turns, o_desc, LSE, FLAGS, STARTS,
+                ROW_OFFSETS, b, h, program, first0, first1, first2, half0, half1, half2, lo0, lo1, lo2, in_lo0, in_hi0,
+                in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
         gl.warp_specialize([
             (_consume, args + (gl.to_tensor(0),)),  # the consumer's half of the query box
             (_consume, args + (gl.to_tensor(1),)),
@@ -419,6 +424,7 @@ class HopperForward:
     fixup_meta: dict
     q_layout: tuple  # (shape, strides, box) of Q's descriptor, one box per consumer (``half_box``)
     kv_layouts: tuple
+    o_layout: tuple  # the output's, boxed as Q (the launcher's fresh contiguous ``[B, N, H, D]`` output)
 
     @property
     def programs(self) -> int:
@@ -521,10 +527,11 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperFo
     q_tile, kv_tile, masked, programs, nt, (starts, spans, row_offsets) = query_boxes(params, q4.device)
     L, K, S, _, _ = launch._axes3(params)
     lse_strides = (n * hq, hq) if need_lse else (0, 0)
-    out_strides = (n * hq * d, hq * d, d)
+    out4 = torch.empty((b, n, hq, d), device="meta")
+    out_strides = out4.stride()[:3]
     qk_scale = scale * kernels.LOG2E
     box, offset = half_box(q_tile)
-    scalars = (*out_strides, *lse_strides, hq, hq // hkv, qk_scale, *L, *nt, starts.shape[1], spans.shape[1],
+    scalars = (*lse_strides, hq, hq // hkv, qk_scale, *L, *nt, starts.shape[1], spans.shape[1],
                *offset, int(need_lse), int(masked))
     meta = dict(STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *out_strides, *lse_strides,
@@ -532,7 +539,8 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperFo
     return HopperForward(q_tile, kv_tile, (programs, b * hq), masked, starts, spans, row_offsets, scalars,
                          meta, fixup_scalars, dict(fixup_meta(params, q_tile, d), STORE_LSE=need_lse),
                          launch.host_kv_layouts(params, q4, q4, box)[0],
-                         launch.host_kv_layouts(params, k4, v4, kv_tile))
+                         launch.host_kv_layouts(params, k4, v4, kv_tile),
+                         launch.host_kv_layouts(params, out4, out4, box)[0])
 
 
 def half_box(q_tile) -> tuple[tuple, tuple]:
@@ -554,8 +562,11 @@ def run(fw: HopperForward, q4, k4, v4, out4, lse) -> None:
     q_desc = _descriptor(q4, *fw.q_layout)
     k_desc = _descriptor(k4, *fw.kv_layouts[0])
     v_desc = _descriptor(v4, *fw.kv_layouts[1])
+    if not out4.is_contiguous():
+        raise ValueError("out4: the Hopper forward writes a contiguous [B, N, H, D] output")
+    o_desc = _descriptor(out4, *fw.o_layout)
     flags = torch.empty(fw.programs * ROWS, dtype=torch.int8, device=q4.device)
     lse_arg = out4 if lse is None else lse
-    na_fwd_hopper_kernel[fw.grid](q_desc, k_desc, v_desc, out4, lse_arg, flags, fw.starts, fw.spans, fw.row_offsets,
+    na_fwd_hopper_kernel[fw.grid](q_desc, k_desc, v_desc, o_desc, lse_arg, flags, fw.starts, fw.spans, fw.row_offsets,
                                   *fw.scalars, **fw.meta)
     na_fwd_nonfinite_kernel[fw.grid](q4, k4, v4, out4, lse_arg, flags, *fw.fixup_scalars, **fw.fixup_meta)
