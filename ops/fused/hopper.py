@@ -6,7 +6,8 @@ of the box's rows and run the score matmul, the online softmax and the value mat
 hand its K and V stages back (each as soon as its matmul is done).  Stages pass between the roles through
 mbarriers.  Inside a consumer the next box's score matmul and this box's value matmul are issued together, and
 the next box's softmax runs while the value matmul is still on the tensor cores (FlashAttention-3's order); the two
-consumers issue their matmuls in turns, so one's softmax overlaps the other's matmuls.  The portable kernel
+consumers issue their matmuls in turns, so one's softmax overlaps the other's matmuls, and each writes its output
+rows with one bulk copy from its half of the query box in shared memory.  The portable kernel
 (``kernels.na_fwd_kernel``) runs all of it in one warpgroup, and its softmax waits for its own matmuls.
 
 The window rules stay on the host (``window_tables``, from ``ops.window``): per axis, each position's window
