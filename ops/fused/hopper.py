@@ -336,8 +336,8 @@ if gluon is not None:
         nonfinite = gl.convert_layout(gl.sum(out * 0.0, 1) != 0.0, s_rows)
         gl.store(FLAGS + program * (2 * h_rows) + r, nonfinite.to(gl.int8))
         # The output leaves through this consumer's half of the query box in shared memory (free since its last score
-        # matmul) and one bulk copy, which drops the rows past an axis' end; the program ends once the copy has read
-        # shared memory, instead of once 64 strided register stores per thread have issued.
+        # matmul) and one bulk copy, which drops the rows past an axis' end: per-thread stores from the matmul layout
+        # would be 32 strided 4-byte stores, each filling half a sector, that hold the SM until they have issued.
         o_smem = q_smem.index(half)
         o_smem.reshape([h_rows, block_d]).store(out.to(dtype))
         fence_async_shared()
@@ -351,9 +351,8 @@ if gluon is not None:
                              half0, half1, half2, store_lse, mask, STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                              PRODUCER_REGS_: gl.constexpr):
         # q_desc / k_desc / v_desc / o_desc: Q, K, V and O as [B, L0, L1, L2, heads * D]; Q and O in boxes of half a
-        # query tile (the
-        # leading axis longer than 1 halved: the first 64 rows in row-major order; ``half*``: the second half's offset
-        # per axis), K and V in (1, U0, U1, U2, D) boxes.  STARTS[axis, position] = (start,
+        # query tile (the leading axis longer than 1 halved: the first 64 rows in row-major order; ``half*``: the
+        # second half's offset per axis), K and V in (1, U0, U1, U2, D) boxes.  STARTS[axis, position] = (start,
         # stop) of the position's window; SPANS[axis, tile] = (lo, hi, in_lo, in_hi, first query, -, -, -) of a query
         # tile; ROW_OFFSETS[axis, row] = the row's offset from the tile's first query.  FLAGS[program, row] = 1 where
         # the row's result holds a NaN / inf.  ``store_lse`` / ``mask``: runtime switches (see the partitions).
