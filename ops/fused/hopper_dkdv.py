@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import hopper, kernels, tiles
+from . import carveout, hopper, kernels, tiles
 from .kernels import _dkdv_by_offset, _program_group
 from ..window import NAParams
 
@@ -372,7 +372,9 @@ def run(bw: HopperDkDv, q4, k4, v4, do4, lse, delta, dk, dv) -> None:
     q_desc = hopper._descriptor(q4, *bw.q_layouts[0])
     do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
     flags = torch.empty(bw.programs * bw.meta["CONSUMERS_"] * 64, dtype=torch.int8, device=q4.device)
-    na_bwd_dkdv_hopper_kernel[bw.grid](k_desc, v_desc, q_desc, do_desc, dk, dv, lse, delta, flags, bw.query_ranges,
-                                       bw.spans, bw.key_offsets, *bw.scalars, **bw.meta)
+    compiled = na_bwd_dkdv_hopper_kernel[bw.grid](k_desc, v_desc, q_desc, do_desc, dk, dv, lse, delta, flags,
+                                                  bw.query_ranges, bw.spans, bw.key_offsets, *bw.scalars, **bw.meta)
+    # the consumer spills (``docs/fused.md``, "What holds dK/dV back"): L1 for its reloads
+    carveout.fit_shared_memory(compiled, 2 if bw.meta["CONSUMERS_"] == 1 else 1)
     na_bwd_dkdv_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dk, dv, flags, *bw.fixup_scalars,
                                           **bw.fixup_meta)
