@@ -301,6 +301,35 @@ def test_dkdv_consumers_follow_the_mask(name):
     assert hopper_dkdv.plan(q4, k4, k4, q4, params, 0.1, (k4, k4)).meta["CONSUMERS_"] == DKDV_CASES[name][1]
 
 
+def _boxes_inside_by_brute_force(params, kv_tile, q_tile):
+    """Whether every query box a dK/dV program visits holds, in every one of its (in-range) positions, all of the
+    program's keys in its window, from ``axis_window`` position by position."""
+    axes = [(1, 1, 1, False)] * (3 - params.rank) + [(L, K, s, c) for L, K, s, _, c in params.axes()]
+    for (L, K, s, c), u, t in zip(axes, kv_tile, q_tile):
+        windows = [axis_window(i, L, K, s, 1, c)[2:] for i in range(L)]
+        for k0 in range(0, L, u):
+            keys = range(k0, min(k0 + u, L))
+            reaching = [q for q in range(L) if any(windows[q][0] <= k < windows[q][1] for k in keys)]
+            if not reaching:
+                continue
+            for q0 in range(reaching[0], reaching[-1] + 1, t):
+                if not all(q < L and windows[q][0] <= keys[0] and keys[-1] < windows[q][1] for q in range(q0, q0 + t)):
+                    return False
+    return True
+
+
+@pytest.mark.parametrize("name", DKDV_CASES)
+def test_every_box_inside_matches_the_windows(name):
+    p = _dkdv_problem(name, 128)
+    params = _params(p.spatial, p.kernel_size, p.stride, p.causal)
+    pad = (1,) * (3 - params.rank)
+    for keys in (hopper_dkdv.KEYS_UNMASKED, hopper_dkdv.KEYS_MASKED):
+        kv_tile, q_tile = hopper.tiles.choose_tiles(hopper.tiles.axes_of(params), keys, hopper_dkdv.QUERIES, inverse=True)
+        kv_tile, q_tile = pad + tuple(kv_tile), pad + tuple(q_tile)
+        spans = hopper_dkdv.inverse_tables(params, kv_tile)[1]
+        assert hopper_dkdv.every_box_inside(spans, q_tile) == _boxes_inside_by_brute_force(params, kv_tile, q_tile)
+
+
 def test_dq_plan_and_reasons():
     params = _params((256, 256), (80, 80), (16, 16))
     q4 = torch.zeros(1, params.num_tokens, 4, 128, dtype=torch.bfloat16)

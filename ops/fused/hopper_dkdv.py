@@ -109,6 +109,9 @@ if gluon is not None:
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        # a two-consumer (128-key) launch is planned only where every query box lies inside every key's window
+        # (``every_box_inside``): its loop has no mask code, which would hold registers the loop spills for
+        masked: gl.constexpr = k_smem.type.shape[0] == 1
 
         # the key rows' places in the 128-key box (clamped past an axis' end: those rows are never stored), and the
         # queries reaching each: loop invariants, so the mask costs compares only
@@ -128,15 +131,17 @@ if gluon is not None:
         v_rows = v_smem.index(half).reshape([rows, block_d])
         dk = gl.zeros([rows, block_d], gl.float32, layout=o_layout)
         dv = gl.zeros([rows, block_d], gl.float32, layout=o_layout)
+        # the query box's first query per axis and its head, stepped in the producer's order (axis 2 fastest, then 1,
+        # then 0, then the next query head of the group) without divisions
+        end2 = ql2 + n2 * T2
+        end1 = ql1 + (n12 // gl.maximum(n2, 1)) * T1
+        end0 = ql0 + (n_tiles // gl.maximum(n12, 1)) * T0
+        q0 = ql0
+        q1 = ql1
+        q2 = ql2
+        h = hk * group
         mbarrier.wait(kv_bar, 0)
         for t in range(group * n_tiles):
-            h = hk * group + t // n_tiles
-            tt = t % n_tiles
-            i0 = tt // n12
-            i1 = (tt - i0 * n12) // n2
-            q0 = ql0 + i0 * T0
-            q1 = ql1 + i1 * T1
-            q2 = ql2 + (tt - i0 * n12 - i1 * n2) * T2
             stage = t % stages
             phase = (t // stages) & 1
             q_cols = q_smem.index(stage).reshape([cols, block_d])
@@ -145,7 +150,9 @@ if gluon is not None:
             # built before the matmuls hold their registers
             full = ((q0 >= in_lo0) & (q0 + T0 <= in_hi0) & (q1 >= in_lo1) & (q1 + T1 <= in_hi1)
                     & (q2 >= in_lo2) & (q2 + T2 <= in_hi2))
-            if full:
+            if not masked:
+                s_init = gl.zeros([rows, cols], gl.float32, layout=s_layout)
+            elif full:
                 s_init = gl.zeros([rows, cols], gl.float32, layout=s_layout)
             else:
                 cm = gl.arange(0, cols, layout=s_cols)
@@ -179,6 +186,16 @@ if gluon is not None:
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
             mbarrier.arrive(q_empty.index(stage), count=1)
             mbarrier.arrive(do_empty.index(stage), count=1)
+            q2 += T2
+            if q2 == end2:
+                q2 = ql2
+                q1 += T1
+                if q1 == end1:
+                    q1 = ql1
+                    q0 += T0
+                    if q0 == end0:
+                        q0 = ql0
+                        h += 1
 
         dk = dk * scale
         ro = half * rows + gl.arange(0, rows, layout=o_rows)
@@ -303,6 +320,33 @@ def unsupported(q4, k4, v4, do4, rpb, params: NAParams, scale: float) -> str | N
     return why
 
 
+def _tiles(params: NAParams) -> tuple[tuple, tuple]:
+    """``(kv_tile, q_tile)`` per axis, leading dummy axes first: 128 keys (two consumers, no mask code) where every
+    query box lies inside every key's window, else 64."""
+    pad = (1,) * (3 - params.rank)
+    axes = tiles.axes_of(params)
+    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS_UNMASKED, QUERIES, inverse=True)
+    wide = pad + tuple(kv_tile), pad + tuple(q_tile)
+    if (tiles.partial_axes(axes, kv_tile, q_tile, inverse=True) == 0
+            and every_box_inside(inverse_tables(params, wide[0])[1], wide[1])):
+        return wide
+    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS_MASKED, QUERIES, inverse=True)
+    return pad + tuple(kv_tile), pad + tuple(q_tile)
+
+
+def every_box_inside(spans: torch.Tensor, q_tile) -> bool:
+    """Whether every query box the kernel visits (per axis: from a key tile's first reaching query ``lo`` in steps of
+    the box, up to its last reaching one) lies inside the queries whose windows hold all of the tile, by the kernel's
+    own test (``_consume_keys``'s ``full``); ``spans``: ``inverse_tables``' second table."""
+    for axis, t in enumerate(q_tile):
+        lo, hi, in_lo, in_hi = spans[axis, :, 0], spans[axis, :, 1], spans[axis, :, 2], spans[axis, :, 3]
+        boxes = torch.clamp(hi - lo, min=0).add(t - 1).div(t, rounding_mode="floor")
+        visited = boxes > 0
+        if not bool(((lo >= in_lo) & (lo + boxes * t <= in_hi) | ~visited).all()):
+            return False
+    return True
+
+
 def inverse_tables(params: NAParams, kv_tile) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(query_ranges, spans, key_offsets)``, per axis (leading dummy axes first): for every key position the queries
     whose windows hold it, ``[lo, hi)`` (empty past the axis' end, up to the last tile's end); for every key tile the
@@ -333,12 +377,7 @@ def plan(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
     from . import launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
-    pad = 3 - params.rank
-    axes = tiles.axes_of(params)
-    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS_UNMASKED, QUERIES, inverse=True)
-    if tiles.partial_axes(axes, kv_tile, q_tile, inverse=True) > 0:
-        kv_tile, q_tile = tiles.choose_tiles(axes, KEYS_MASKED, QUERIES, inverse=True)
-    kv_tile, q_tile = (1,) * pad + tuple(kv_tile), (1,) * pad + tuple(q_tile)
+    kv_tile, q_tile = _tiles(params)
     window, programs = launch._window_args(params, kv_tile)
     L, K, S, _, C = launch._axes3(params)
     nu = tuple(window[12:15])
