@@ -2,9 +2,8 @@
 
 One program owns a box of keys of one kv head and walks the query boxes whose windows reach it (its inverse
 neighbourhood, every query head of the kv head's group in turn).  A one-warp producer copies each query box's Q and
-dO tiles (TMA) into two rings of shared-memory stages; one consumer warpgroup per 64 keys (two on a 128-key box, one
-on a 64-key box: ``KEYS_UNMASKED`` / ``KEYS_MASKED``), with its K and V rows held in shared memory for the whole
-loop, runs per query box
+dO tiles (TMA) into two rings of shared-memory stages; two consumer warpgroups, each with its 64 of the box's 128 keys
+held in shared memory (K and V rows) for the whole loop, run per query box
 
     S^T = K Q^T,  dP^T = V dO^T   (wgmma, both issued before either is waited for)
     P^T = exp2(S^T * scale * log2(e) - lse),  dS^T = P^T (dP^T - delta)
@@ -27,7 +26,6 @@ windows) for the ranks in ``RANKS``; everything else takes the portable kernel.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +41,10 @@ if gluon is not None:
     from .hopper import (_box_spans, _program, _register_operand, _rings, _wgmma_layout, fence_async_shared,
                          mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-# Keys per program, a consumer warpgroup per 64: where no query box needs a mask (the strided problems) two consumers
-# share a 128-key tile; elsewhere one consumer owns a 64-key tile (two programs per SM), whose query boxes reach fewer
-# queries outside its keys' windows.  (Backward on an H100, against 128-key tiles: 2d-flux 0.7% and 3d-hunyuan 2%
-# faster, 2d-flux-s16 10% and 3d-hunyuan-s16x8x8 11% slower; docs/fused.md.)
-KEYS_UNMASKED = 128
-KEYS_MASKED = 64
+# Keys per program, a consumer warpgroup per 64.  64-key programs (one consumer, two programs per SM) reach fewer
+# queries outside their keys' windows, but ran dK/dV 5-12% slower than 128-key ones on the masked problems
+# (docs/fused.md, "What holds dK/dV back").
+KEYS = 128
 QUERIES = 64  # queries per box (the score tiles' columns)
 RANKS = (2, 3)  # 1-D problems ran slower than on the portable kernel (docs/fused.md)
 STAGES = 2  # Q / dO stages in shared memory
@@ -109,16 +105,17 @@ if gluon is not None:
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        # a two-consumer (128-key) launch is planned only where every query box lies inside every key's window
-        # (``every_box_inside``): its loop has no mask code, which would hold registers the loop spills for
-        masked: gl.constexpr = k_smem.type.shape[0] == 1
+        # a launch where every query box lies inside every key's window (``every_box_inside``) gets an int8 stand-in
+        # for the query ranges, and its loop no mask code, which would hold registers the loop spills for
+        masked: gl.constexpr = QUERY_RANGES.dtype.element_ty == gl.int32
 
         # the key rows' places in the 128-key box (clamped past an axis' end: those rows are never stored), and the
         # queries reaching each: loop invariants, so the mask costs compares only
         r = half * rows + gl.arange(0, rows, layout=s_rows)  # (rows: 64, one wgmma tile)
-        lo0, hi0 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 0, first0, r, LMAX)
-        lo1, hi1 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 1, first1, r, LMAX)
-        lo2, hi2 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 2, first2, r, LMAX)
+        if masked:
+            lo0, hi0 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 0, first0, r, LMAX)
+            lo1, hi1 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 1, first1, r, LMAX)
+            lo2, hi2 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 2, first2, r, LMAX)
         # lse and delta are loaded one column per thread, then spread over the score tile's column layout: loaded
         # in that layout, every thread would hold 16 of the 64 pointers (and spill)
         c = gl.arange(0, cols, layout=gl.BlockedLayout([1], [32], [4], [0]))
@@ -148,21 +145,19 @@ if gluon is not None:
             do_cols = do_smem.index(stage).reshape([cols, block_d])
             # a box not inside every key's window is masked through the score matmul's initial value (0 or -inf),
             # built before the matmuls hold their registers
-            full = ((q0 >= in_lo0) & (q0 + T0 <= in_hi0) & (q1 >= in_lo1) & (q1 + T1 <= in_hi1)
-                    & (q2 >= in_lo2) & (q2 + T2 <= in_hi2))
-            if not masked:
-                s_init = gl.zeros([rows, cols], gl.float32, layout=s_layout)
-            elif full:
-                s_init = gl.zeros([rows, cols], gl.float32, layout=s_layout)
-            else:
-                cm = gl.arange(0, cols, layout=s_cols)
-                qc0 = q0 + cm // (T1 * T2)
-                qc1 = q1 + (cm // T2) % T1
-                qc2 = q2 + cm % T2
-                keep = ((qc0[None, :] >= lo0[:, None]) & (qc0[None, :] < hi0[:, None])
-                        & (qc1[None, :] >= lo1[:, None]) & (qc1[None, :] < hi1[:, None])
-                        & (qc2[None, :] >= lo2[:, None]) & (qc2[None, :] < hi2[:, None]))
-                s_init = gl.where(keep, 0.0, float("-inf"))
+            s_init = gl.zeros([rows, cols], gl.float32, layout=s_layout)
+            if masked:
+                full = ((q0 >= in_lo0) & (q0 + T0 <= in_hi0) & (q1 >= in_lo1) & (q1 + T1 <= in_hi1)
+                        & (q2 >= in_lo2) & (q2 + T2 <= in_hi2))
+                if not full:
+                    cm = gl.arange(0, cols, layout=s_cols)
+                    qc0 = q0 + cm // (T1 * T2)
+                    qc1 = q1 + (cm // T2) % T1
+                    qc2 = q2 + cm % T2
+                    keep = ((qc0[None, :] >= lo0[:, None]) & (qc0[None, :] < hi0[:, None])
+                            & (qc1[None, :] >= lo1[:, None]) & (qc1[None, :] < hi1[:, None])
+                            & (qc2[None, :] >= lo2[:, None]) & (qc2[None, :] < hi2[:, None]))
+                    s_init = gl.where(keep, 0.0, float("-inf"))
             mbarrier.wait(q_ready.index(stage), phase)
             st = warpgroup_mma(k_rows, q_cols.permute((1, 0)), s_init, is_async=True)
             mbarrier.wait(do_ready.index(stage), phase)
@@ -218,35 +213,34 @@ if gluon is not None:
     def na_bwd_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, FLAGS, QUERY_RANGES, SPANS,
                                   KEY_OFFSETS, skb, skt, skh, svb, svt, svh, slb, slt, HKV, GROUP, qk_scale, scale,
                                   L0, L1, L2, NU0, NU1, NU2, LMAX, NUMAX, half0, half1, half2,
-                                  CONSUMERS_: gl.constexpr, STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
-                                  PRODUCER_REGS_: gl.constexpr):
+                                  STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
         # k_desc / v_desc: K and V as [B, L0, L1, L2, heads * D] in boxes of 64 keys, one per consumer warpgroup
-        # (two: halves of the key tile, ``hopper.half_box``; ``half*``: the second half's offset per axis);
-        # q_desc / do_desc: Q and dO in query boxes.  QUERY_RANGES[axis, position] = [lo, hi) of the queries whose
-        # windows hold the key; SPANS[axis, key tile] = (lo, hi, in_lo, in_hi, first key, -, -, -): the queries
-        # reaching the tile, those whose windows hold all of it, its first key; KEY_OFFSETS[axis, row] = the row's
-        # offset from the tile's first key.  FLAGS[program, row] = 1 where the key's dK or dV holds a NaN / inf.
+        # (halves of the key tile, ``hopper.half_box``; ``half*``: the second half's offset per axis); q_desc /
+        # do_desc: Q and dO in query boxes.  QUERY_RANGES[axis, position] = [lo, hi) of the queries whose windows
+        # hold the key (int32; an int8 stand-in where no box needs a mask); SPANS[axis, key tile] = (lo, hi, in_lo,
+        # in_hi, first key, -, -, -): the queries reaching the tile, those whose windows hold all of it, its first
+        # key; KEY_OFFSETS[axis, row] = the row's offset from the tile's first key.  FLAGS[program, row] = 1 where the
+        # key's dK or dV holds a NaN / inf.
         program, b, hk = _program(HKV)
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[4]
         (first0, first1, first2, ql0, ql1, ql2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
          n_tiles) = _box_spans(SPANS, NU1, NU2, NUMAX, q_desc)
 
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS_] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS_] + v_desc.block_type.shape, v_desc.layout)
-        q_smem, do_smem, q_ready, q_empty, do_ready, do_empty = _rings(q_desc, do_desc, STAGES_, CONSUMERS_)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_smem, do_smem, q_ready, q_empty, do_ready, do_empty = _rings(q_desc, do_desc, STAGES_, 2)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
         col = hk * BLOCK_D
-        mbarrier.expect(kv_bar, CONSUMERS_ * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         tma.async_copy_global_to_shared(k_desc, [b, first0, first1, first2, col], kv_bar, k_smem.index(0))
         tma.async_copy_global_to_shared(v_desc, [b, first0, first1, first2, col], kv_bar, v_smem.index(0))
-        if CONSUMERS_ == 2:
-            tma.async_copy_global_to_shared(k_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], kv_bar,
-                                            k_smem.index(1))
-            tma.async_copy_global_to_shared(v_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], kv_bar,
-                                            v_smem.index(1))
+        tma.async_copy_global_to_shared(k_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], kv_bar,
+                                        k_smem.index(1))
+        tma.async_copy_global_to_shared(v_desc, [b, first0 + half0, first1 + half1, first2 + half2, col], kv_bar,
+                                        v_smem.index(1))
 
         args = (k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, DK, DV, LSE, DELTA,
                 FLAGS, QUERY_RANGES, KEY_OFFSETS, b, hk, GROUP, program, first0, first1, first2, ql0, ql1, ql2, in_lo0,
@@ -254,13 +248,9 @@ if gluon is not None:
                 qk_scale, scale, L0, L1, L2, LMAX)
         loads = (q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, do_ready, do_empty, b, hk, GROUP, ql0, ql1, ql2,
                  n12, n2, n_tiles)
-        if CONSUMERS_ == 2:
-            gl.warp_specialize([(_consume_keys, args + (gl.to_tensor(0),)),  # the consumer's half of the key box
-                                (_consume_keys, args + (gl.to_tensor(1),)), (_load_queries, loads)],
-                               [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
-        else:
-            gl.warp_specialize([(_consume_keys, args + (gl.to_tensor(0),)), (_load_queries, loads)], [1],
-                               [PRODUCER_REGS_])
+        gl.warp_specialize([(_consume_keys, args + (gl.to_tensor(0),)),  # the consumer's half of the key box
+                            (_consume_keys, args + (gl.to_tensor(1),)), (_load_queries, loads)],
+                           [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
 
 @triton.jit
@@ -294,6 +284,7 @@ class HopperDkDv:
 
     grid: tuple
     query_ranges: torch.Tensor  # [3, LMAX, 2] int32: the queries whose windows hold each key position, per axis
+    #                              (an int8 stand-in where no query box needs a mask)
     spans: torch.Tensor  # [3, NUMAX, 8] int32: each key tile's reaching queries, its inner queries, its first key
     key_offsets: torch.Tensor  # [3, 128] int32: each row's offset from its key tile's first key per axis
     scalars: tuple  # the main kernel's, after its tensor arguments
@@ -320,18 +311,15 @@ def unsupported(q4, k4, v4, do4, rpb, params: NAParams, scale: float) -> str | N
     return why
 
 
-def _tiles(params: NAParams) -> tuple[tuple, tuple]:
-    """``(kv_tile, q_tile)`` per axis, leading dummy axes first: 128 keys (two consumers, no mask code) where every
-    query box lies inside every key's window, else 64."""
+def _tiles(params: NAParams) -> tuple[tuple, tuple, bool]:
+    """``(kv_tile, q_tile, masked)``: the tiles per axis (leading dummy axes first) and whether some query box needs a
+    mask (it does not lie inside every key's window)."""
     pad = (1,) * (3 - params.rank)
     axes = tiles.axes_of(params)
-    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS_UNMASKED, QUERIES, inverse=True)
-    wide = pad + tuple(kv_tile), pad + tuple(q_tile)
-    if (tiles.partial_axes(axes, kv_tile, q_tile, inverse=True) == 0
-            and every_box_inside(inverse_tables(params, wide[0])[1], wide[1])):
-        return wide
-    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS_MASKED, QUERIES, inverse=True)
-    return pad + tuple(kv_tile), pad + tuple(q_tile)
+    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS, QUERIES, inverse=True)
+    kv_tile, q_tile = pad + tuple(kv_tile), pad + tuple(q_tile)
+    masked = not every_box_inside(inverse_tables(params, kv_tile)[1], q_tile)
+    return kv_tile, q_tile, masked
 
 
 def every_box_inside(spans: torch.Tensor, q_tile) -> bool:
@@ -365,7 +353,7 @@ def inverse_tables(params: NAParams, kv_tile) -> tuple[torch.Tensor, torch.Tenso
             first, last = tile * u, min(tile * u + u, ax.Lg) - 1
             spans[a, tile, :5] = torch.tensor([lo[first], hi[last], lo[last], max(hi[first], lo[last]), first],
                                               dtype=torch.int32)
-    rows = torch.arange(128)  # (the kernel's row stride; a 64-key tile uses the first half)
+    rows = torch.arange(KEYS)
     u0, u1, u2 = kv_tile
     key_offsets = torch.stack([rows // (u1 * u2), (rows // u2) % u1, rows % u2]).to(torch.int32)
     return ranges, spans, key_offsets
@@ -377,21 +365,20 @@ def plan(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
     from . import launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
-    kv_tile, q_tile = _tiles(params)
+    kv_tile, q_tile, masked = _tiles(params)
     window, programs = launch._window_args(params, kv_tile)
     L, K, S, _, C = launch._axes3(params)
     nu = tuple(window[12:15])
     ranges, spans, key_offsets = (t.to(q4.device) for t in inverse_tables(params, kv_tile))
-    consumers = math.prod(kv_tile) // 64
-    box, offset = hopper.half_box(kv_tile) if consumers == 2 else (kv_tile, (0, 0, 0))
+    lmax = ranges.shape[1]
+    if not masked:  # the kernel reads the mask switch off the table's type (``_consume_keys``)
+        ranges = torch.zeros(1, dtype=torch.int8, device=q4.device)
+    box, offset = hopper.half_box(kv_tile)
     lse_strides = (params.num_tokens * hq, hq)
     dk, dv = grads
     scalars = (*launch._strides(dk), *launch._strides(dv), *lse_strides, hkv, hq // hkv, scale * kernels.LOG2E,
-               scale, *L, *nu, ranges.shape[1], spans.shape[1], *offset)
-    meta = dict(CONSUMERS_=consumers, STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
-                num_warps=4)
-    if consumers == 1:  # two programs per SM: half the register file each, rebalanced towards the consumer
-        meta["maxnreg"] = 128
+               scale, *L, *nu, lmax, spans.shape[1], *offset)
+    meta = dict(STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *launch._strides(do4),
                      *lse_strides, *launch._strides(dk), *launch._strides(dv), hkv, hq // hkv, d,
                      scale * kernels.LOG2E, scale, *L, *K, *S, *nu)
@@ -410,10 +397,10 @@ def run(bw: HopperDkDv, q4, k4, v4, do4, lse, delta, dk, dv) -> None:
     v_desc = hopper._descriptor(v4, *bw.kv_layouts[1])
     q_desc = hopper._descriptor(q4, *bw.q_layouts[0])
     do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
-    flags = torch.empty(bw.programs * bw.meta["CONSUMERS_"] * 64, dtype=torch.int8, device=q4.device)
+    flags = torch.empty(bw.programs * KEYS, dtype=torch.int8, device=q4.device)
     compiled = na_bwd_dkdv_hopper_kernel[bw.grid](k_desc, v_desc, q_desc, do_desc, dk, dv, lse, delta, flags,
                                                   bw.query_ranges, bw.spans, bw.key_offsets, *bw.scalars, **bw.meta)
-    # the consumer spills (``docs/fused.md``, "What holds dK/dV back"): L1 for its reloads
-    carveout.fit_shared_memory(compiled, 2 if bw.meta["CONSUMERS_"] == 1 else 1)
+    # the consumers spill (``docs/fused.md``, "What holds dK/dV back"): L1 for their reloads
+    carveout.fit_shared_memory(compiled, 1)
     na_bwd_dkdv_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dk, dv, flags, *bw.fixup_scalars,
                                           **bw.fixup_meta)
