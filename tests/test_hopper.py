@@ -303,7 +303,7 @@ def test_dkdv_mask_follows_the_windows(name):
     bw = hopper_dkdv.plan(q4, k4, k4, q4, params, 0.1, (k4, k4))
     masked = bw.query_ranges.dtype == torch.int32  # (the kernel's switch: an int8 stand-in runs no mask code)
     assert masked == DKDV_CASES[name][1]
-    kv_tile, q_tile, _ = hopper_dkdv._tiles(params)
+    kv_tile, q_tile = hopper_dkdv._tiles(params)
     assert masked == (not _boxes_inside_by_brute_force(params, kv_tile, q_tile))
 
 

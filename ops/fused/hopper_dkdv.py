@@ -311,15 +311,11 @@ def unsupported(q4, k4, v4, do4, rpb, params: NAParams, scale: float) -> str | N
     return why
 
 
-def _tiles(params: NAParams) -> tuple[tuple, tuple, bool]:
-    """``(kv_tile, q_tile, masked)``: the tiles per axis (leading dummy axes first) and whether some query box needs a
-    mask (it does not lie inside every key's window)."""
+def _tiles(params: NAParams) -> tuple[tuple, tuple]:
+    """``(kv_tile, q_tile)`` per axis, leading dummy axes first."""
     pad = (1,) * (3 - params.rank)
-    axes = tiles.axes_of(params)
-    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS, QUERIES, inverse=True)
-    kv_tile, q_tile = pad + tuple(kv_tile), pad + tuple(q_tile)
-    masked = not every_box_inside(inverse_tables(params, kv_tile)[1], q_tile)
-    return kv_tile, q_tile, masked
+    kv_tile, q_tile = tiles.choose_tiles(tiles.axes_of(params), KEYS, QUERIES, inverse=True)
+    return pad + tuple(kv_tile), pad + tuple(q_tile)
 
 
 def every_box_inside(spans: torch.Tensor, q_tile) -> bool:
@@ -365,14 +361,15 @@ def plan(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
     from . import launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
-    kv_tile, q_tile, masked = _tiles(params)
+    kv_tile, q_tile = _tiles(params)
     window, programs = launch._window_args(params, kv_tile)
     L, K, S, _, C = launch._axes3(params)
     nu = tuple(window[12:15])
-    ranges, spans, key_offsets = (t.to(q4.device) for t in inverse_tables(params, kv_tile))
+    ranges, spans, key_offsets = inverse_tables(params, kv_tile)
     lmax = ranges.shape[1]
-    if not masked:  # the kernel reads the mask switch off the table's type (``_consume_keys``)
-        ranges = torch.zeros(1, dtype=torch.int8, device=q4.device)
+    if every_box_inside(spans, q_tile):  # the kernel reads the mask switch off the table's type (``_consume_keys``)
+        ranges = torch.zeros(1, dtype=torch.int8)
+    ranges, spans, key_offsets = (t.to(q4.device) for t in (ranges, spans, key_offsets))
     box, offset = hopper.half_box(kv_tile)
     lse_strides = (params.num_tokens * hq, hq)
     dk, dv = grads
