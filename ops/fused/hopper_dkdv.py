@@ -141,6 +141,14 @@ if gluon is not None:
         for t in range(group * n_tiles):
             stage = t % stages
             phase = (t // stages) & 1
+            # the box's lse and delta first, so their latency hides behind the mask and the matmuls' issue.  A column
+            # past an axis' end holds another query's token (or one past the last): its Q and dO are zero (the copy's
+            # fill) and the mask drops it, since a box sticking out is never inside every key's window.  Offsets fit
+            # in 32 bits (``hopper.unsupported``).
+            tok = (q0 * L1 + q1) * L2 + q2 + c_tok
+            tok_ok = tok < n_tokens
+            lse_now = gl.load(lse_b + tok * slt + h, mask=tok_ok, other=0.0)
+            delta_now = gl.load(delta_b + tok * slt + h, mask=tok_ok, other=0.0)
             q_cols = q_smem.index(stage).reshape([cols, block_d])
             do_cols = do_smem.index(stage).reshape([cols, block_d])
             # a box not inside every key's window is masked through the score matmul's initial value (0 or -inf),
@@ -164,16 +172,10 @@ if gluon is not None:
             dpt = warpgroup_mma(v_rows, do_cols.permute((1, 0)), gl.zeros([rows, cols], gl.float32, layout=s_layout),
                                 use_acc=False, is_async=True)
 
-            # A column past an axis' end holds another query's token (or one past the last): its Q and dO are zero
-            # (the copy's fill) and the mask drops it, since a box sticking out is never inside every key's window.
-            # Offsets fit in 32 bits (``hopper.unsupported``).
-            tok = (q0 * L1 + q1) * L2 + q2 + c_tok
-            tok_ok = tok < n_tokens
-            lse2 = gl.convert_layout(gl.load(lse_b + tok * slt + h, mask=tok_ok, other=0.0) * 1.4426950408889634,
-                                     s_cols)
+            lse2 = gl.convert_layout(lse_now * 1.4426950408889634, s_cols)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
             pt = gl.exp2(st * qk_scale - lse2[None, :])  # -inf scores: a positive scale keeps them -inf
-            delta = gl.convert_layout(gl.load(delta_b + tok * slt + h, mask=tok_ok, other=0.0), s_cols)
+            delta = gl.convert_layout(delta_now, s_cols)
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
             dst = pt * (dpt - delta[None, :])
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_cols, dv, is_async=True)
