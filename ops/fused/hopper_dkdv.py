@@ -86,6 +86,30 @@ if gluon is not None:
         return gl.load(base), gl.load(base + 1)
 
     @gluon.jit
+    def _lse_and_delta(lse_b, delta_b, q0, q1, q2, h, c_tok, L1, L2, n_tokens, slt, wanted):
+        """A query box's lse and delta, one column per thread (zero past the last token, or where not ``wanted``)."""
+        tok = (q0 * L1 + q1) * L2 + q2 + c_tok
+        ok = (tok < n_tokens) & wanted
+        return gl.load(lse_b + tok * slt + h, mask=ok, other=0.0), gl.load(delta_b + tok * slt + h, mask=ok, other=0.0)
+
+    @gluon.jit
+    def _next_box(q0, q1, q2, h, ql0, ql1, ql2, end0, end1, end2, T0: gl.constexpr, T1: gl.constexpr,
+                  T2: gl.constexpr):
+        """The loop's next query box after ``(q0, q1, q2)`` of head ``h``, in the producer's order (axis 2 fastest,
+        then 1, then 0, then the group's next query head), without divisions."""
+        q2 += T2
+        if q2 == end2:
+            q2 = ql2
+            q1 += T1
+            if q1 == end1:
+                q1 = ql1
+                q0 += T0
+                if q0 == end0:
+                    q0 = ql0
+                    h += 1
+        return q0, q1, q2, h
+
+    @gluon.jit
     def _consume_keys(k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, DK, DV, LSE,
                       DELTA, FLAGS, QUERY_RANGES, KEY_OFFSETS, b, hk, group, program, first0, first1, first2, ql0,
                       ql1, ql2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, skb, skt, skh, svb,
@@ -128,8 +152,7 @@ if gluon is not None:
         v_rows = v_smem.index(half).reshape([rows, block_d])
         dk = gl.zeros([rows, block_d], gl.float32, layout=o_layout)
         dv = gl.zeros([rows, block_d], gl.float32, layout=o_layout)
-        # the query box's first query per axis and its head, stepped in the producer's order (axis 2 fastest, then 1,
-        # then 0, then the next query head of the group) without divisions
+        # the query box's first query per axis and its head, stepped in the producer's order (``_next_box``)
         end2 = ql2 + n2 * T2
         end1 = ql1 + (n12 // gl.maximum(n2, 1)) * T1
         end0 = ql0 + (n_tiles // gl.maximum(n12, 1)) * T0
@@ -137,18 +160,23 @@ if gluon is not None:
         q1 = ql1
         q2 = ql2
         h = hk * group
+        total = group * n_tiles
+        if not masked:  # no mask code: registers to spare for the next box's lse and delta, loaded a box ahead
+            lse_next, delta_next = _lse_and_delta(lse_b, delta_b, q0, q1, q2, h, c_tok, L1, L2, n_tokens, slt,
+                                                  total > 0)
         mbarrier.wait(kv_bar, 0)
-        for t in range(group * n_tiles):
+        for t in range(total):
             stage = t % stages
             phase = (t // stages) & 1
-            # the box's lse and delta first, so their latency hides behind the mask and the matmuls' issue.  A column
-            # past an axis' end holds another query's token (or one past the last): its Q and dO are zero (the copy's
-            # fill) and the mask drops it, since a box sticking out is never inside every key's window.  Offsets fit
-            # in 32 bits (``hopper.unsupported``).
-            tok = (q0 * L1 + q1) * L2 + q2 + c_tok
-            tok_ok = tok < n_tokens
-            lse_now = gl.load(lse_b + tok * slt + h, mask=tok_ok, other=0.0)
-            delta_now = gl.load(delta_b + tok * slt + h, mask=tok_ok, other=0.0)
+            # A column past an axis' end holds another query's token (or one past the last): its Q and dO are zero
+            # (the copy's fill) and the mask drops it, since a box sticking out is never inside every key's window.
+            # Offsets fit in 32 bits (``hopper.unsupported``).
+            if masked:  # loaded first, so their latency hides behind the mask and the matmuls' issue
+                lse_now, delta_now = _lse_and_delta(lse_b, delta_b, q0, q1, q2, h, c_tok, L1, L2, n_tokens, slt,
+                                                    t < total)
+            else:
+                lse_now = lse_next
+                delta_now = delta_next
             q_cols = q_smem.index(stage).reshape([cols, block_d])
             do_cols = do_smem.index(stage).reshape([cols, block_d])
             # a box not inside every key's window is masked through the score matmul's initial value (0 or -inf),
@@ -171,7 +199,6 @@ if gluon is not None:
             mbarrier.wait(do_ready.index(stage), phase)
             dpt = warpgroup_mma(v_rows, do_cols.permute((1, 0)), gl.zeros([rows, cols], gl.float32, layout=s_layout),
                                 use_acc=False, is_async=True)
-
             lse2 = gl.convert_layout(lse_now * 1.4426950408889634, s_cols)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
             pt = gl.exp2(st * qk_scale - lse2[None, :])  # -inf scores: a positive scale keeps them -inf
@@ -180,19 +207,15 @@ if gluon is not None:
             dst = pt * (dpt - delta[None, :])
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_cols, dv, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_cols, dk, is_async=True)
+            if not masked:  # the next box's lse and delta load while the two matmuls run
+                q0, q1, q2, h = _next_box(q0, q1, q2, h, ql0, ql1, ql2, end0, end1, end2, T0, T1, T2)
+                lse_next, delta_next = _lse_and_delta(lse_b, delta_b, q0, q1, q2, h, c_tok, L1, L2, n_tokens, slt,
+                                                      t + 1 < total)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
             mbarrier.arrive(q_empty.index(stage), count=1)
             mbarrier.arrive(do_empty.index(stage), count=1)
-            q2 += T2
-            if q2 == end2:
-                q2 = ql2
-                q1 += T1
-                if q1 == end1:
-                    q1 = ql1
-                    q0 += T0
-                    if q0 == end0:
-                        q0 = ql0
-                        h += 1
+            if masked:
+                q0, q1, q2, h = _next_box(q0, q1, q2, h, ql0, ql1, ql2, end0, end1, end2, T0, T1, T2)
 
         dk = dk * scale
         ro = half * rows + gl.arange(0, rows, layout=o_rows)
