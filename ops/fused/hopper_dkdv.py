@@ -21,6 +21,10 @@ once, so a masked box costs compares only (through the score matmul's initial va
 ``na_bwd_dkdv_nonfinite_kernel`` recomputes those programs one window offset at a time (``kernels._dkdv_by_offset``),
 so non-finite inputs stay inside the windows that hold them, as on the portable kernel.
 
+A box's lse and delta come from global memory (L2, mostly): a masked launch loads them before the box's mask and
+matmuls, a launch without mask code a box ahead, during the previous box's dK and dV matmuls, so that no step waits
+out the trip (``docs/fused.md``, "What holds dK/dV back").
+
 It runs where ``hopper.unsupported`` accepts the problem (no RPB, no dilation, 16-bit, head dim 64 or 128, large
 windows) for the ranks in ``RANKS``; everything else takes the portable kernel.
 """
@@ -214,7 +218,7 @@ if gluon is not None:
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
             mbarrier.arrive(q_empty.index(stage), count=1)
             mbarrier.arrive(do_empty.index(stage), count=1)
-            if masked:
+            if masked:  # stepped once the two matmuls' registers are free: the mask code leaves none to spare
                 q0, q1, q2, h = _next_box(q0, q1, q2, h, ql0, ql1, ql2, end0, end1, end2, T0, T1, T2)
 
         dk = dk * scale
