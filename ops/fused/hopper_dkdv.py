@@ -46,8 +46,8 @@ if gluon is not None:
                          mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 # Keys per program, a consumer warpgroup per 64.  64-key programs (one consumer, two programs per SM) reach fewer
-# queries outside their keys' windows, but ran dK/dV 5-12% slower than 128-key ones on the masked problems
-# (docs/fused.md, "What holds dK/dV back").
+# queries outside their keys' windows, but took 6-15% longer on dK/dV than 128-key ones on the masked problems
+# (docs/fused.md, "The Hopper dK/dV").
 KEYS = 128
 QUERIES = 64  # queries per box (the score tiles' columns)
 RANKS = (2, 3)  # 1-D problems ran slower than on the portable kernel (docs/fused.md)
