@@ -9,9 +9,9 @@ def _capacity_chosen(percent):
 
 
 def test_smallest_capacity_holding_the_programs():
-    # dK/dV's masked launch: two programs of 98,640 bytes (plus 1 KB each for the driver) need 194.7 KB -> 196
+    # two programs of 98,640 bytes (plus 1 KB each for the driver) need 194.7 KB -> 196
     assert _capacity_chosen(carveout_percent(98_640, 2)) == 196
-    # its unmasked launch: one program of 132,656 bytes -> 132
+    # one program of 132,656 bytes (the Hopper dK/dV kernel's) -> 132
     assert _capacity_chosen(carveout_percent(132_656, 1)) == 132
     # more than the SM has: the largest
     assert carveout_percent(240_000, 1) == 100

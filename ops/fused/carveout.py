@@ -2,8 +2,8 @@
 
 Triton asks the driver to prefer shared memory for every kernel that uses more than 48 KB of it
 (``CU_FUNC_CACHE_PREFER_SHARED``), which on an H100 leaves 28 KB of L1 whatever the kernel needs.  A kernel
-that spills registers keeps them in local memory, cached in L1: with 28 KB the reloads of two programs'
-spills miss and wait on L2.  ``fit_shared_memory`` asks instead for the smallest shared-memory capacity that
+that spills registers keeps them in local memory, cached in L1: with 28 KB its reloads miss and wait on
+L2.  ``fit_shared_memory`` asks instead for the smallest shared-memory capacity that
 still holds the programs an SM runs at once, so the rest is L1.
 """
 from __future__ import annotations
