@@ -364,12 +364,16 @@ def _offset(t, lo0, lo1, lo2, n1, n2):
 
 
 @triton.jit
+def _relative_slot(o0, o1, o2, K0, K1, K2):
+    """The flat index of the relative offset (o0, o1, o2) = key - query in a ``[2K0-1, 2K1-1, 2K2-1]`` RPB table."""
+    return ((o0 + K0 - 1) * (2 * K1 - 1) + (o1 + K1 - 1)) * (2 * K2 - 1) + (o2 + K2 - 1)
+
+
+@triton.jit
 def _offset_bias(RPB, h, o0, o1, o2, K0, K1, K2):
     """rpb[h] (flat float32 table) at the relative offset (o0, o1, o2) = key - query, base-2 scaled; one scalar."""
-    w1 = 2 * K1 - 1
-    w2 = 2 * K2 - 1
-    rel = ((o0 + K0 - 1) * w1 + (o1 + K1 - 1)) * w2 + (o2 + K2 - 1)
-    return tl.load(RPB + h * ((2 * K0 - 1) * w1 * w2) + rel) * LOG2E_C
+    n_rel = (2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)
+    return tl.load(RPB + h * n_rel + _relative_slot(o0, o1, o2, K0, K1, K2)) * LOG2E_C
 
 
 @triton.jit
@@ -1177,43 +1181,22 @@ def na_bwd_drpb_kernel(
     v_base = b.to(tl.int64) * svb + hk * svh
 
     # Offsets (key - query, group coordinates) spanned by the tile's windows, per axis.
-    big = 1 << 30
-    o_lo0 = tl.min(tl.where(q_ok, start0 - qc0, big), 0)
-    o_hi0 = tl.max(tl.where(q_ok, stop0 - qc0, -big), 0)
-    o_lo1 = tl.min(tl.where(q_ok, start1 - qc1, big), 0)
-    o_hi1 = tl.max(tl.where(q_ok, stop1 - qc1, -big), 0)
-    o_lo2 = tl.min(tl.where(q_ok, start2 - qc2, big), 0)
-    o_hi2 = tl.max(tl.where(q_ok, stop2 - qc2, -big), 0)
-    n0 = tl.maximum(o_hi0 - o_lo0, 0)
-    n1 = tl.maximum(o_hi1 - o_lo1, 0)
-    n2 = tl.maximum(o_hi2 - o_lo2, 0)
-    w1 = 2 * K1 - 1
-    w2 = 2 * K2 - 1
-    n_rel = (2 * K0 - 1) * w1 * w2
+    o_lo0, n0 = _offset_range(q_ok, qc0, start0, stop0)
+    o_lo1, n1 = _offset_range(q_ok, qc1, start1, stop1)
+    o_lo2, n2 = _offset_range(q_ok, qc2, start2, stop2)
+    n_rel = (2 * K0 - 1) * (2 * K1 - 1) * (2 * K2 - 1)
     if ATOMIC:
         out_base = h.to(tl.int64) * n_rel
     else:
         out_base = (bh.to(tl.int64) * tl.num_programs(0) + pid) * n_rel
     for t in range(0, n0 * n1 * n2):
-        o2 = o_lo2 + t % n2
-        o1 = o_lo1 + (t // n2) % n1
-        o0 = o_lo0 + t // (n2 * n1)
-        kj0 = qc0 + o0
-        kj1 = qc1 + o1
-        kj2 = qc2 + o2
-        adm = q_ok & (kj0 >= start0) & (kj0 < stop0) & (kj1 >= start1) & (kj1 < stop1)
-        adm = adm & (kj2 >= start2) & (kj2 < stop2)
-        k_tok = _flat_token(kj0, kj1, kj2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64)
-        k = tl.load(Kp + k_base + k_tok[:, None] * skt + offs_d[None, :], mask=adm[:, None] & d_ok[None, :],
-                    other=0.0).to(tl.float32)
-        v = tl.load(V + v_base + k_tok[:, None] * svt + offs_dv[None, :], mask=adm[:, None] & dv_ok[None, :],
-                    other=0.0).to(tl.float32)
-        rel = ((o0 + K0 - 1) * w1 + (o1 + K1 - 1)) * w2 + (o2 + K2 - 1)
-        bias = tl.load(RPB + h * n_rel + rel).to(tl.float32)
-        s = tl.sum(q * k, 1) * qk_scale + bias * LOG2E_C
+        adm, k, v, s = _gathered_pair(Kp, V, RPB, k_base, v_base, skt, svt, h, q, q_ok, t, o_lo0, o_lo1, o_lo2, n1, n2,
+                                      qc0, qc1, qc2, start0, stop0, start1, stop1, start2, stop2, g0, g1, g2, L1, L2,
+                                      K0, K1, K2, D0, D1, D2, offs_d, offs_dv, d_ok, dv_ok, qk_scale, True, IDX64)
         p = tl.math.exp2(s - lse2)
-        dp = tl.sum(do * v, 1)
-        ds = tl.sum(tl.where(adm, p * (dp - delta), 0.0), 0)
+        ds = tl.sum(tl.where(adm, p * (tl.sum(do * v, 1) - delta), 0.0), 0)
+        o0, o1, o2 = _offset(t, o_lo0, o_lo1, o_lo2, n1, n2)
+        rel = _relative_slot(o0, o1, o2, K0, K1, K2)
         if ATOMIC:
             tl.atomic_add(DRPB + out_base + rel, ds)
         else:
