@@ -48,7 +48,7 @@ def main():
                 t = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
                 if t:
                     totals[evt.key] = totals.get(evt.key, 0) + t / args.iters / 1000
-        print(f"{name}: per fwd+bwd step, ms by kernel")
+        print(f"{name}: per fwd+bwd step, ms by kernel (all kernels: {sum(totals.values()):.3f})")
         for key, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:8]:
             print(f"  {ms:9.3f}  {key[:90]}")
         del q, k, v, d_out
