@@ -53,6 +53,18 @@ def test_mask_only_where_some_tile_is_partial():
     assert fw.kv_tile[0] * fw.kv_tile[1] * fw.kv_tile[2] == hopper.COLS
 
 
+def test_one_program_per_sm_only_without_masks(monkeypatch):
+    """Mask-free launches (every tile's loop as long) run one program per SM over all work items; masked ones one
+    program per work item, which the hardware hands out as SMs free up."""
+    monkeypatch.setattr(hopper, "_multiprocessors", lambda device: 132)
+    strided, unstrided = _plan((256, 256), (80, 80), (16, 16), heads=24), _plan((256, 256), (80, 80), heads=24)
+    assert strided.programs == unstrided.programs == 512 * 24
+    assert strided.main_grid(torch.device("cpu")) == (132,)
+    assert unstrided.main_grid(torch.device("cpu")) == (512 * 24,)
+    small = _plan((64, 64), (32, 32), (16, 16))
+    assert small.main_grid(torch.device("cpu")) == (small.programs,) and small.programs < 132
+
+
 @pytest.mark.parametrize("spatial, kernel, stride, causal", [
     ((4, 16, 24), (3, 9, 9), (1, 2, 1), (True, False, False)), ((40, 24), (33, 17), (8, 1), (False, True)),
     ((300,), (129,), (64,), (False,))])
@@ -228,6 +240,22 @@ def test_gpu_forward_matches_oracle(poisoned, name, dtype, dim):
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert _rel_err(out, ref_out) < TOL[dtype]
     assert _rel_err(lse, ref_lse) < TOL[dtype]
+
+
+@pytest.mark.parametrize("name, dim", [("3d-causal", 128), ("2d-strided", 64), ("1d-causal-gqa", 128)])
+@gpu
+def test_gpu_forward_programs_run_many_work_items(poisoned, monkeypatch, name, dim):
+    """With 3 programs every program runs many query tiles one after another (the rings, turns and Q / output buffers
+    carried from tile to tile, masked tiles of different loop lengths too); the result still matches the oracle."""
+    monkeypatch.setattr(hopper.HopperForward, "main_grid", lambda self, device: (3,))
+    p = _problem(name, dim)
+    (q, k, v), out, lse = _attend(p, torch.bfloat16, seed=11)
+    plan = next(iter(launch._FORWARD.values())).hopper
+    assert plan.programs > 3 * 4, "too few work items for the test"
+    ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial,
+                                        p.kernel_size, p.stride, p.dilation, p.causal)
+    assert _rel_err(out, ref_out) < TOL[torch.bfloat16]
+    assert _rel_err(lse, ref_lse) < TOL[torch.bfloat16]
 
 
 @gpu
