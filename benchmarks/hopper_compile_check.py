@@ -27,9 +27,11 @@ from fused_compile_check import ptxas_usage  # noqa: E402
 from ops.fused import hopper, hopper_dkdv, hopper_dq  # noqa: E402
 
 # (kernel, query tile, key tile, head dim[, masked]): the tiles ``tiles.choose_tiles`` gives 1-D (forward only), 2-D
-# and 3-D problems; dK/dV with and without its mask code (the strided problems' launches have none)
+# and 3-D problems; the forward and dK/dV with and without their mask code (the strided problems' launches have none)
 CASES = [("fwd", (1, 1, 128), (1, 1, 128), 128), ("fwd", (1, 8, 16), (1, 8, 16), 128),
          ("fwd", (2, 8, 8), (2, 8, 8), 128), ("fwd", (1, 8, 16), (2, 8, 8), 64),
+         ("fwd", (1, 1, 128), (1, 1, 128), 128, False), ("fwd", (1, 8, 16), (1, 8, 16), 128, False),
+         ("fwd", (2, 8, 8), (2, 8, 8), 128, False),
          ("dq", (1, 1, 128), (1, 1, 128), 128), ("dq", (1, 8, 16), (1, 8, 16), 128),
          ("dq", (2, 8, 8), (2, 8, 8), 128), ("dq", (1, 8, 16), (2, 8, 8), 64),
          ("dkdv", (1, 4, 16), (1, 8, 16), 128, False), ("dkdv", (1, 8, 8), (2, 8, 8), 128, False),
@@ -62,6 +64,8 @@ def compile_case(kernel, q_tile, kv_tile, dim, masked=True):
         keys = hopper.half_box(kv_tile)[0]
         boxes = {"k_desc": keys, "v_desc": keys, "q_desc": q_tile, "do_desc": q_tile}
     constexprs = dict(STAGES_=module.STAGES, CONSUMER_REGS_=module.CONSUMER_REGS, PRODUCER_REGS_=module.PRODUCER_REGS)
+    if kernel == "fwd":  # one program per SM where no tile needs a mask (``hopper.HopperForward.persistent``)
+        constexprs["PERSISTENT_"] = not masked
     options = {"num_warps": 4}
     pointers = dict(POINTERS, QUERY_RANGES="*i32" if masked else "*i8")  # dK/dV's mask switch (``hopper_dkdv.plan``)
     signature = {}
@@ -119,7 +123,7 @@ def main():
     for kernel, q_tile, kv_tile, dim, *masked in CASES:
         if args.kernel and kernel not in args.kernel:
             continue
-        label = f"{kernel} q {q_tile} kv {kv_tile} D {dim}" + (" masked" if masked and masked[0] else "")
+        label = f"{kernel} q {q_tile} kv {kv_tile} D {dim}" + (" masked" if not masked or masked[0] else " unmasked")
         try:
             (regs, spill), wgmma, setmaxnreg, cubin = compile_case(kernel, q_tile, kv_tile, dim, *masked)
             print(f"{label}: ok  regs={regs} spill_bytes={spill} wgmma={wgmma} "

@@ -59,8 +59,9 @@ def test_one_program_per_sm_only_without_masks(monkeypatch):
     monkeypatch.setattr(hopper, "_multiprocessors", lambda device: 132)
     strided, unstrided = _plan((256, 256), (80, 80), (16, 16), heads=24), _plan((256, 256), (80, 80), heads=24)
     assert strided.programs == unstrided.programs == 512 * 24
-    assert strided.main_grid(torch.device("cpu")) == (132,)
-    assert unstrided.main_grid(torch.device("cpu")) == (512 * 24,)
+    assert strided.persistent and strided.main_grid(torch.device("cpu")) == (132,)
+    assert not unstrided.persistent and unstrided.main_grid(torch.device("cpu")) == (512, 24)
+    assert strided.meta["PERSISTENT_"] and not unstrided.meta["PERSISTENT_"]
     small = _plan((64, 64), (32, 32), (16, 16))
     assert small.main_grid(torch.device("cpu")) == (small.programs,) and small.programs < 132
 
@@ -247,11 +248,12 @@ def test_gpu_forward_matches_oracle(poisoned, name, dtype, dim):
 def test_gpu_forward_programs_run_many_work_items(poisoned, monkeypatch, name, dim):
     """With 3 programs every program runs many query tiles one after another (the rings, turns and Q / output buffers
     carried from tile to tile, masked tiles of different loop lengths too); the result still matches the oracle."""
-    monkeypatch.setattr(hopper.HopperForward, "main_grid", lambda self, device: (3,))
+    monkeypatch.setattr(hopper, "PERSISTENT_MASKED", True)
+    monkeypatch.setattr(hopper, "_multiprocessors", lambda device: 3)
     p = _problem(name, dim)
     (q, k, v), out, lse = _attend(p, torch.bfloat16, seed=11)
     plan = next(iter(launch._FORWARD.values())).hopper
-    assert plan.programs > 3 * 4, "too few work items for the test"
+    assert plan.persistent and plan.programs > 3 * 4, "too few work items for the test"
     ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial,
                                         p.kernel_size, p.stride, p.dilation, p.causal)
     assert _rel_err(out, ref_out) < TOL[torch.bfloat16]
@@ -492,7 +494,7 @@ def test_forward_softmax_runs_under_the_value_matmul():
     and the wait for the value matmul issued with it, so the softmax overlaps that matmul (ptxas, left to itself,
     hoists the second wait to the first)."""
     loops = _scheduled_loops("fwd")
-    assert len(loops) == 4
+    assert len(loops) == 7  # masked and mask-free (persistent) launches
     for case, orders in loops.items():
         assert len(orders) == 2, case  # one loop per consumer
         for order in orders:

@@ -59,6 +59,12 @@ RANKS = (1, 2, 3)
 STAGES = 2  # K/V stages in shared memory (64 KB each at head dim 128); three measured no faster
 CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg)
 PRODUCER_REGS = 40  # the producer also walks the work items and their spans: on 24 it spilled
+# Mask-free launches loop over as many boxes in every tile, so one program per SM that runs the work items in turn
+# stays balanced, and the next item's query tile loads while the last one's output leaves.  Where loop lengths
+# differ (masked launches), programs that each take a fixed share drift apart, the K and V boxes they read at the
+# same time stop sharing L2 (3d-hunyuan's forward ran 12-18% longer), and one program per tile, which the hardware
+# hands to each SM as it frees up, runs instead.
+PERSISTENT_MASKED = False
 
 
 @contextlib.contextmanager
@@ -348,18 +354,60 @@ if gluon is not None:
         return acc, m_i, l_i
 
     @gluon.jit
+    def _store_rows(acc, m_i, l_i, o_half, o_desc, LSE, FLAGS, item, r, q_ok, tok, b, h, first0, first1, first2,
+                    half0, half1, half2, slb, slt, store_lse, half):
+        """A consumer's rows of work item ``item``: lse, non-finite flags and the normalised output, which leaves
+        through ``o_half`` (shared memory the caller has made free) and one bulk copy.  The copy drops the rows past
+        an axis' end; per-thread stores from the matmul layout would be 32 strided 4-byte stores, each filling half a
+        sector, that hold the SM until they have issued."""
+        block_d: gl.constexpr = acc.type.shape[1]
+        h_rows: gl.constexpr = acc.type.shape[0]
+        s_rows: gl.constexpr = m_i.type.layout
+        o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        l_i = gl.where(l_i > 0.0, l_i, 1.0)  # rows past an axis' end (zero queries) are never stored
+        out = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
+        if store_lse:
+            gl.store(LSE + b.to(gl.int64) * slb + tok * slt + h, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=q_ok)
+        nonfinite = gl.convert_layout(gl.sum(out * 0.0, 1) != 0.0, s_rows)
+        gl.store(FLAGS + item * (2 * h_rows) + r, nonfinite.to(gl.int8))
+        o_half.reshape([h_rows, block_d]).store(out.to(o_half.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, first0 + half * half0, first1 + half * half1,
+                                                 first2 + half * half2, h * block_d], o_half)
+
+    @gluon.jit
+    def _consume_tile(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns, o_desc,
+                      LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program, first0, first1, first2, half0, half1, half2, lo0,
+                      lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, slb, slt, qk_scale,
+                      L0, L1, L2, LMAX, store_lse, mask, half):
+        """Consumer of a program that owns one query tile: its 64 rows (``_attend``), then their output, which
+        leaves through their half of the query box (free once the last score matmul is done)."""
+        block_d: gl.constexpr = k_smem.type.shape[5]
+        h_rows: gl.constexpr = q_smem.type.shape[2] * q_smem.type.shape[3] * q_smem.type.shape[4]
+        s_rows: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(k_smem.type.shape[2] * k_smem.type.shape[3] *
+                                                               k_smem.type.shape[4]))
+        r, q_ok, tok, start0, stop0, start1, stop1, start2, stop2 = _consumer_rows(
+            STARTS, ROW_OFFSETS, first0, first1, first2, half, L0, L1, L2, LMAX, h_rows, s_rows)
+        mbarrier.wait(q_ready, 0)
+        acc, m_i, l_i = _attend(q_smem.index(half).reshape([h_rows, block_d]), k_smem, v_smem, k_ready, k_empty,
+                                v_ready, v_empty, q_empty, turns, 0, 0, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
+                                in_lo2, in_hi2, n12, n2, n_tiles, start0, stop0, start1, stop1, start2, stop2, qk_scale,
+                                mask, half)
+        _store_rows(acc, m_i, l_i, q_smem.index(half), o_desc, LSE, FLAGS, program, r, q_ok, tok, b, h, first0, first1,
+                    first2, half0, half1, half2, slb, slt, store_lse, half)
+        tma.store_wait(0)
+
+    @gluon.jit
     def _consume(q_smem, o_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns, k_desc,
                  o_desc, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS, TILES, NT1, NT2, NTMAX, HQ, work, half0, half1, half2,
                  slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, half):
-        """Consumer: its half of every work item's query tile (``_attend``), then the rows' output, lse and flags."""
+        """Consumer of a persistent program: its half of every work item's query tile (``_attend``), then their
+        output, whose bulk copy runs on under the next work item (only the next item's output waits for it)."""
         block_d: gl.constexpr = k_smem.type.shape[5]
         h_rows: gl.constexpr = q_smem.type.shape[2] * q_smem.type.shape[3] * q_smem.type.shape[4]
-        dtype: gl.constexpr = q_smem.dtype
         s_rows: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(k_smem.type.shape[2] * k_smem.type.shape[3] *
                                                                k_smem.type.shape[4]))
-        o_rows: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(block_d))
         q = q_smem.index(half).reshape([h_rows, block_d])
-        o_half = o_smem.index(half)
         done = 0
         turns_done = 0
         item = 0
@@ -376,23 +424,9 @@ if gluon is not None:
             done += n_tiles
             turns_done += n_tiles + 1
             item += 1
-
-            l_i = gl.where(l_i > 0.0, l_i, 1.0)  # rows past an axis' end (zero queries) are never stored
-            out = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
-            if store_lse:
-                gl.store(LSE + b.to(gl.int64) * slb + tok * slt + h, (m_i + gl.log2(l_i)) * 0.6931471805599453,
-                         mask=q_ok)
-            nonfinite = gl.convert_layout(gl.sum(out * 0.0, 1) != 0.0, s_rows)
-            gl.store(FLAGS + w * (2 * h_rows) + r, nonfinite.to(gl.int8))
-            # The output leaves through shared memory and one bulk copy, which drops the rows past an axis' end
-            # (per-thread stores from the matmul layout would be 32 strided 4-byte stores, each filling half a
-            # sector, that hold the SM until they have issued); the copy runs on under the next work item, and only
-            # the next item's output waits for it.
-            tma.store_wait(0)
-            o_half.reshape([h_rows, block_d]).store(out.to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [b, first0 + half * half0, first1 + half * half1,
-                                                     first2 + half * half2, h * block_d], o_half)
+            tma.store_wait(0)  # the previous item's output has left o_smem
+            _store_rows(acc, m_i, l_i, o_smem.index(half), o_desc, LSE, FLAGS, w, r, q_ok, tok, b, h, first0, first1,
+                        first2, half0, half1, half2, slb, slt, store_lse, half)
         tma.store_wait(0)
 
     @gluon.jit
@@ -418,37 +452,57 @@ if gluon is not None:
     @gluon.jit
     def na_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS,
                              slb, slt, HQ, GROUP, qk_scale, L0, L1, L2, NT0, NT1, NT2, LMAX, NTMAX,
-                             half0, half1, half2, store_lse, mask, work, STAGES_: gl.constexpr,
-                             CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
-        # A persistent launch: program p runs the work items p, p + programs, ... of ``work`` = B * HQ * query tiles,
-        # numbered (b * HQ + head) * tiles + tile, so that the programs running at once share their heads' K and V
-        # in L2 as consecutive programs of a launch with one program per tile would.
+                             half0, half1, half2, store_lse, mask, work, PERSISTENT_: gl.constexpr,
+                             STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
         # q_desc / k_desc / v_desc / o_desc: Q, K, V and O as [B, L0, L1, L2, heads * D]; Q and O in boxes of half a
         # query tile (the leading axis longer than 1 halved: the first 64 rows in row-major order; ``half*``: the
         # second half's offset per axis), K and V in (1, U0, U1, U2, D) boxes.  STARTS[axis, position] = (start,
         # stop) of the position's window; SPANS[axis, tile] = (lo, hi, in_lo, in_hi, first query, -, -, -) of a query
         # tile; ROW_OFFSETS[axis, row] = the row's offset from the tile's first query.  FLAGS[item, row] = 1 where
         # the row's result holds a NaN / inf.  ``store_lse`` / ``mask``: runtime switches (see the partitions).
-        TILES = NT0 * NT1 * NT2
+        # Work items (query tiles of a batch element and head) are numbered (b * HQ + head) * tiles + tile, ``work``
+        # of them.  PERSISTENT_: program p runs the items p, p + programs, ... (``HopperForward.main_grid``), in an
+        # order that keeps the programs running at once on neighbouring tiles, whose K and V boxes share L2, as
+        # consecutive programs of a launch with one program per tile are (the other case: a 2-D grid of tiles and
+        # b * HQ + head).
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
         k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = _rings(k_desc, v_desc, STAGES_, 2)
         turns = _turn_barriers()
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
         mbarrier.init(q_empty, count=2)  # both consumers hand Q back
-        fence_async_shared()
-
-        consumer = (q_smem, o_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns, k_desc,
-                    o_desc, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS, TILES, NT1, NT2, NTMAX, HQ, work, half0, half1,
-                    half2, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
-        gl.warp_specialize([
-            (_consume, consumer + (gl.to_tensor(0),)),  # the consumer's half of the query box
-            (_consume, consumer + (gl.to_tensor(1),)),
-            (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, SPANS, TILES, NT1, NT2, NTMAX, HQ, GROUP, work, half0, half1, half2)),
-        ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+        if PERSISTENT_:
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+            fence_async_shared()
+            consumer = (q_smem, o_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns,
+                        k_desc, o_desc, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS, NT0 * NT1 * NT2, NT1, NT2, NTMAX, HQ,
+                        work, half0, half1, half2, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
+            gl.warp_specialize([
+                (_consume, consumer + (gl.to_tensor(0),)),  # the consumer's half of the query box
+                (_consume, consumer + (gl.to_tensor(1),)),
+                (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                            v_ready, v_empty, SPANS, NT0 * NT1 * NT2, NT1, NT2, NTMAX, HQ, GROUP, work, half0, half1,
+                            half2)),
+            ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+        else:
+            fence_async_shared()
+            program, b, h = _program(HQ)
+            BLOCK_D: gl.constexpr = k_desc.block_type.shape[4]
+            (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
+             n_tiles) = _box_spans(SPANS, NT1, NT2, NTMAX, k_desc)
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            _load_halves(q_desc, q_smem, q_ready, b, first0, first1, first2, half0, half1, half2, h * BLOCK_D)
+            consumer = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns, o_desc,
+                        LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program, first0, first1, first2, half0, half1, half2,
+                        lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, slb, slt,
+                        qk_scale, L0, L1, L2, LMAX, store_lse, mask)
+            gl.warp_specialize([
+                (_consume_tile, consumer + (gl.to_tensor(0),)),
+                (_consume_tile, consumer + (gl.to_tensor(1),)),
+                (_load_kv, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b,
+                            (h // GROUP) * BLOCK_D, lo0, lo1, lo2, n12, n2, n_tiles)),
+            ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
 
 @triton.jit
@@ -500,14 +554,14 @@ class HopperForward:
         """Work items (query tiles of every batch element and head)."""
         return self.grid[0] * self.grid[1]
 
+    @property
+    def persistent(self) -> bool:
+        """Whether the main kernel runs one program per SM over all work items (``PERSISTENT_MASKED``)."""
+        return not self.masked or PERSISTENT_MASKED
+
     def main_grid(self, device: torch.device) -> tuple:
-        """The main kernel's programs.  Without masks every tile loops over as many boxes, so one program per SM (its
-        shared memory takes an SM) running the work items in turn stays balanced, and the next item's query tile
-        loads while the last one's output leaves: 1d-32k-s256 0.998 -> 0.961 ms, 2d-flux-s16 8.65 -> 8.12 (H100).
-        Where loop lengths differ (masked launches) programs that each take a fixed share drift apart, the K and V
-        boxes they read at the same time stop sharing L2, and 3d-hunyuan ran 43.7 -> 49.8 ms: there the hardware
-        hands each SM its next tile as it frees up, one program per work item."""
-        return (self.programs if self.masked else min(self.programs, _multiprocessors(device)),)
+        """The main kernel's programs: one per SM (its shared memory takes an SM) or one per work item."""
+        return (min(self.programs, _multiprocessors(device)),) if self.persistent else self.grid
 
 
 @functools.cache
@@ -617,7 +671,8 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperFo
     box, offset = half_box(q_tile)
     scalars = (*lse_strides, hq, hq // hkv, qk_scale, *L, *nt, starts.shape[1], spans.shape[1],
                *offset, int(need_lse), int(masked), programs * b * hq)
-    meta = dict(STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
+    meta = dict(PERSISTENT_=not masked or PERSISTENT_MASKED, STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS,
+                PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *out_strides, *lse_strides,
                      hq, hq // hkv, d, qk_scale, *L, *K, *S, *nt)
     return HopperForward(q_tile, kv_tile, (programs, b * hq), masked, starts, spans, row_offsets, scalars,
