@@ -111,17 +111,18 @@ if gluon is not None:
         return (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), gl.program_id(1) // HEADS,
                 gl.program_id(1) % HEADS)
 
-    @gluon.jit
-    def _work_item(w, TILES, HEADS):
-        """Work item ``w`` of a persistent launch, numbered as ``_program`` numbers programs (``(b * HEADS + head) *
-        TILES + tile``): ``(tile, b, head)``."""
-        bh = w // TILES
-        return w - bh * TILES, bh // HEADS, bh % HEADS
 
     @gluon.jit
     def _box_spans(SPANS, N1, N2, NMAX, box_desc):
         """``_tile_spans`` of the program's tile (grid axis 0)."""
         return _tile_spans(SPANS, N1, N2, NMAX, box_desc, gl.program_id(0))
+
+    @gluon.jit
+    def _work_item(w, SPANS, TILES, N1, N2, NMAX, HEADS, box_desc):
+        """Work item ``w`` of a persistent launch, numbered as ``_program`` numbers programs (``(b * HEADS + head) *
+        TILES + tile``): ``(b, head, spans)``, ``spans`` the tile's ``_tile_spans``."""
+        bh = w // TILES
+        return bh // HEADS, bh % HEADS, _tile_spans(SPANS, N1, N2, NMAX, box_desc, w - bh * TILES)
 
     @gluon.jit
     def _tile_spans(SPANS, N1, N2, NMAX, box_desc, tile):
@@ -412,9 +413,9 @@ if gluon is not None:
         turns_done = 0
         item = 0
         for w in range(gl.program_id(0), work, gl.num_programs(0)):
-            tile, b, h = _work_item(w, TILES, HQ)
+            b, h, spans = _work_item(w, SPANS, TILES, NT1, NT2, NTMAX, HQ, k_desc)
             (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-             n_tiles) = _tile_spans(SPANS, NT1, NT2, NTMAX, k_desc, tile)
+             n_tiles) = spans
             r, q_ok, tok, start0, stop0, start1, stop1, start2, stop2 = _consumer_rows(
                 STARTS, ROW_OFFSETS, first0, first1, first2, half, L0, L1, L2, LMAX, h_rows, s_rows)
             mbarrier.wait(q_ready, item & 1)
@@ -438,9 +439,9 @@ if gluon is not None:
         done = 0
         item = 0
         for w in range(gl.program_id(0), work, gl.num_programs(0)):
-            tile, b, h = _work_item(w, TILES, HQ)
-            (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-             n_tiles) = _tile_spans(SPANS, NT1, NT2, NTMAX, k_desc, tile)
+            b, h, spans = _work_item(w, SPANS, TILES, NT1, NT2, NTMAX, HQ, k_desc)
+            first0, first1, first2, lo0, lo1, lo2 = spans[0], spans[1], spans[2], spans[3], spans[4], spans[5]
+            n12, n2, n_tiles = spans[12], spans[13], spans[14]
             mbarrier.wait(q_empty, (item & 1) ^ 1)
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
             _load_halves(q_desc, q_smem, q_ready, b, first0, first1, first2, half0, half1, half2, h * block_d)
