@@ -130,6 +130,72 @@ def test_dkdv_plan_and_reasons():
         assert "disabled" in hopper_dkdv.unsupported(q4, k4, k4, q4, None, params, 0.1)
 
 
+def _oracle_case(params, heads, heads_kv, dim, seed):
+    """float32 ``[B, N, H, D]`` q, k, v, dO and the oracle's output, lse, dQ, dK and dV (float64 math, GQA as
+    given): ``(q, k, v, do, out, dq, lse, dk, dv)``."""
+    gen = torch.Generator().manual_seed(seed)
+    n = params.num_tokens
+    q = torch.randn(2, *params.spatial, heads, dim, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, *params.spatial, heads_kv, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    ins = [t.requires_grad_(True) for t in (q, k, v)]
+    out, lse = oracle_attention(*ins, params.spatial, params.kernel_size, params.stride, params.dilation,
+                                params.is_causal, scale=dim**-0.5)
+    d_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    dq, dk, dv = torch.autograd.grad(out, ins, d_out)
+    flat = [t.detach().reshape(2, n, t.shape[-2], dim).float().contiguous() for t in (q, k, v, d_out, out, dq)]
+    grads = [t.reshape(2, n, heads_kv, dim).float().contiguous() for t in (dk, dv)]
+    return (*flat, lse.detach().reshape(2, n, heads).float().contiguous(), *grads)
+
+
+# one 128-row query tile holds the whole 5 x 8 map: a program per batch element and head, the last one (b 1, h 1)
+FIXUP_PARAMS = _params((5, 8), (3, 5), (1, 2))
+
+
+def test_forward_fixup_recomputes_the_flagged_programs():
+    """The Hopper forward's fixup launch computes a flagged program's rows again (one window offset at a time) and
+    leaves every other program's as the main kernel wrote them."""
+    q4, k4, v4, _, out_ref, _, lse_ref, _, _ = _oracle_case(FIXUP_PARAMS, 2, 1, 16, seed=5)
+    fw = hopper.plan(q4, k4, v4, FIXUP_PARAMS, 16**-0.5, True)
+    assert fw.programs == 4
+    flags = torch.zeros(fw.programs * hopper.ROWS, dtype=torch.int8)
+    flags[hopper.ROWS * (fw.programs - 1) + 3] = 1
+    out, lse = torch.full_like(out_ref, 7.0), torch.full_like(lse_ref, 7.0)
+    hopper.na_fwd_nonfinite_kernel[fw.grid](q4, k4, v4, out, lse, flags, *fw.fixup_scalars, **fw.fixup_meta)
+    torch.testing.assert_close(out[1, :, 1], out_ref[1, :, 1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse[1, :, 1], lse_ref[1, :, 1], rtol=1e-4, atol=1e-4)
+    assert (out[0] == 7.0).all() and (out[1, :, 0] == 7.0).all() and (lse[0] == 7.0).all()
+
+
+def test_dq_fixup_recomputes_the_flagged_programs():
+    """The Hopper dQ's fixup launch computes a flagged program's query tile again from the inputs (the oracle's dQ)
+    and leaves every other tile as the main kernel wrote it."""
+    q4, k4, v4, do4, o4, dq_ref, lse, _, _ = _oracle_case(FIXUP_PARAMS, 2, 1, 16, seed=6)
+    bw = hopper_dq.plan(q4, k4, v4, do4, o4, FIXUP_PARAMS, 16**-0.5, dq_ref)
+    flags = torch.zeros(bw.programs * hopper.ROWS, dtype=torch.int8)
+    flags[hopper.ROWS * (bw.programs - 1) + 3] = 1
+    dq = torch.full_like(dq_ref, 7.0)
+    hopper_dq.na_bwd_dq_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, (o4 * do4).sum(-1), dq, flags,
+                                                  *bw.fixup_scalars, **bw.fixup_meta)
+    torch.testing.assert_close(dq[1, :, 1], dq_ref[1, :, 1], rtol=1e-4, atol=1e-4)
+    assert (dq[0] == 7.0).all() and (dq[1, :, 0] == 7.0).all()
+
+
+def test_dkdv_fixup_recomputes_the_flagged_programs():
+    """The Hopper dK/dV's fixup launch computes a flagged program's key tile again from the inputs (the oracle's dK
+    and dV, summed over the query heads of the kv head) and leaves every other tile as the main kernel wrote it."""
+    q4, k4, v4, do4, o4, _, lse, dk_ref, dv_ref = _oracle_case(FIXUP_PARAMS, 2, 1, 16, seed=7)
+    dk, dv = torch.full_like(dk_ref, 7.0), torch.full_like(dv_ref, 7.0)
+    bw = hopper_dkdv.plan(q4, k4, v4, do4, FIXUP_PARAMS, 16**-0.5, (dk, dv))
+    assert bw.programs == 2  # a 128-key tile per batch element and kv head
+    flags = torch.zeros(bw.programs * hopper_dkdv.KEYS, dtype=torch.int8)
+    flags[hopper_dkdv.KEYS + 5] = 1
+    hopper_dkdv.na_bwd_dkdv_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, (o4 * do4).sum(-1), dk, dv, flags,
+                                                      *bw.fixup_scalars, **bw.fixup_meta)
+    torch.testing.assert_close(dk[1], dk_ref[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dv[1], dv_ref[1], rtol=1e-4, atol=1e-4)
+    assert (dk[0] == 7.0).all() and (dv[0] == 7.0).all()
+
+
 def test_half_box_holds_the_first_64_rows():
     assert hopper.half_box((2, 8, 8)) == ((1, 8, 8), (1, 0, 0))
     assert hopper.half_box((1, 8, 16)) == ((1, 4, 16), (0, 4, 0))
