@@ -113,7 +113,6 @@ if gluon is not None:
         return (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), gl.program_id(1) // HEADS,
                 gl.program_id(1) % HEADS)
 
-
     @gluon.jit
     def _box_spans(SPANS, N1, N2, NMAX, box_desc):
         """``_tile_spans`` of the program's tile (grid axis 0)."""
@@ -559,8 +558,9 @@ class HopperForward:
 
     @property
     def persistent(self) -> bool:
-        """Whether the main kernel runs one program per SM over all work items (``PERSISTENT_MASKED``)."""
-        return not self.masked or PERSISTENT_MASKED
+        """Whether the main kernel runs one program per SM over all work items (``PERSISTENT_MASKED``; decided by
+        ``plan`` for the kernel's ``PERSISTENT_``)."""
+        return self.meta["PERSISTENT_"]
 
     def main_grid(self, device: torch.device) -> tuple:
         """The main kernel's programs: one per SM (its shared memory takes an SM) or one per work item."""
