@@ -9,7 +9,11 @@ the checked-out code, always timed first.  The launcher is pointed at each varia
 cleared, and ``ops.bench``'s call of the problem timed with ``do_bench`` (median of each round; medians over rounds
 reported).  Every variant's output (and gradients with ``--backward``) is compared with the base's (max abs
 difference), and one that differs by more than 1e-2 is flagged.
-``--set launch.X=V`` / ``rpb_grad.X=V`` sets a module constant for variants named ``NAME@set`` (the same source);
+A loaded copy of a Hopper module (``hopper_dq``) has timed about 10% slower than the same source checked out, with the
+same kernel time (docs/fused.md, "Measuring"): compare those modules by swapping files between ``fused_profile.py``
+runs, or with ``--set`` on the checked-out module.
+``--set MOD.X=V`` sets a constant of ``launch``, ``rpb_grad`` or a kernel module (``hopper.PERSISTENT_MASKED=True``)
+for variants named ``NAME@set``, whose path may be ``base``, the checked-out source (``pm@set=hopper:base``);
 ``--force NAME:fwd=64,64,4,2,1,128`` pins variant NAME's kernel to an ``autotune.Config`` (MAXNREG 0: none)."""
 import argparse
 import importlib.util
@@ -73,7 +77,7 @@ def main():
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     q, k, v, rpb = p.random_inputs(args.device, dtype, gen, requires_grad=args.backward)
     d_out = torch.randn_like(q) if args.backward else None
-    modules = {"launch": launch, "rpb_grad": rpb_grad}
+    modules = {"launch": launch, "rpb_grad": rpb_grad, **base}
 
     def activate(name):
         variant, sets = mods[name]
