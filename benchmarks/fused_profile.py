@@ -14,6 +14,25 @@ from torch.profiler import ProfilerActivity, profile
 from ops.bench import standard_problems
 
 
+def kernel_times(step, iters: int = 3) -> dict:
+    """``{kernel: ms}``: the CUDA time of each kernel per call of ``step``, averaged over ``iters`` profiled calls after
+    three warm-up calls."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    totals = {}
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA or getattr(evt, "self_device_time_total", 0):
+            t = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
+            if t:
+                totals[evt.key] = totals.get(evt.key, 0) + t / iters / 1000
+    return totals
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("problems", nargs="+")
@@ -35,19 +54,7 @@ def main():
         def step():  # gradients returned, not accumulated into .grad: no add kernels a training step would not run
             torch.autograd.grad(p.attention(q, k, v, rpb, "fused"), leaves, d_out)
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
-                step()
-            torch.cuda.synchronize()
-        totals = {}
-        for evt in prof.key_averages():
-            if evt.device_type == torch.autograd.DeviceType.CUDA or getattr(evt, "self_device_time_total", 0):
-                t = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
-                if t:
-                    totals[evt.key] = totals.get(evt.key, 0) + t / args.iters / 1000
+        totals = kernel_times(step, args.iters)
         print(f"{name}: per fwd+bwd step, ms by kernel (all kernels: {sum(totals.values()):.3f})")
         for key, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:8]:
             print(f"  {ms:9.3f}  {key[:90]}")

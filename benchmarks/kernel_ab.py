@@ -1,6 +1,6 @@
 """A/B of fused-kernel variants in one process, in alternating rounds (run from the repository root).
 
-    python3 benchmarks/kernel_ab.py PROBLEM [--backward] [--rounds N] [--rep MS] [--set MOD.ATTR=VALUE]
+    python3 benchmarks/kernel_ab.py PROBLEM [--backward] [--rounds N] [--rep MS] [--profile] [--set MOD.ATTR=VALUE]
         [--force NAME:KERNEL=OUTER,INNER,WARPS,STAGES,TMA,MAXNREG] NAME=PATH ...
 
 Each NAME=PATH is a copy of ops/fused/kernels.py, and NAME=MODULE:PATH one of another kernel module the launcher
@@ -10,8 +10,8 @@ cleared, and ``ops.bench``'s call of the problem timed with ``do_bench`` (median
 reported).  Every variant's output (and gradients with ``--backward``) is compared with the base's (max abs
 difference), and one that differs by more than 1e-2 is flagged.
 A loaded copy of a Hopper module (``hopper_dq``) has timed about 10% slower than the same source checked out, with the
-same kernel time (docs/fused.md, "Measuring"): compare those modules by swapping files between ``fused_profile.py``
-runs, or with ``--set`` on the checked-out module.
+same kernel times (docs/fused.md, "Measuring"): compare those modules by ``--profile``'s kernel times, or with ``--set``
+on the checked-out module.  ``--profile`` prints each variant's CUDA time per kernel (``fused_profile.kernel_times``).
 ``--set MOD.X=V`` sets a constant of ``launch``, ``rpb_grad`` or a kernel module (``hopper.PERSISTENT_MASKED=True``)
 for variants named ``NAME@set``, whose path may be ``base``, the checked-out source (``pm@set=hopper:base``);
 ``--force NAME:fwd=64,64,4,2,1,128`` pins variant NAME's kernel to an ``autotune.Config`` (MAXNREG 0: none)."""
@@ -48,6 +48,7 @@ def main():
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--force", action="append", default=[])
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (no timing)")
+    ap.add_argument("--profile", action="store_true", help="also print each variant's CUDA time per kernel")
     args = ap.parse_intermixed_args()
     problems = {p.name: p for p in bench.standard_problems()}
     if ":" in args.problem:
@@ -123,6 +124,16 @@ def main():
             fns[name]()  # rebuild the plans of this variant
             times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=args.rep, return_mode="median"))
             deactivate(name)
+    if args.profile:
+        from fused_profile import kernel_times
+
+        for name in mods:
+            activate(name)
+            totals = kernel_times(fns[name])
+            deactivate(name)
+            print(f"{name}: ms by kernel (all kernels: {sum(totals.values()):.3f})")
+            for key, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:6]:
+                print(f"  {ms:9.3f}  {key[:90]}")
     print(f"| problem | variant | ms (median of {args.rounds}) | rounds |")
     print("|---|---|---|---|")
     for name, t in times.items():
