@@ -26,9 +26,8 @@ import fused_sass  # noqa: E402
 from fused_compile_check import ptxas_usage  # noqa: E402
 from ops.fused import hopper, hopper_dkdv, hopper_dq  # noqa: E402
 
-# (kernel, query tile, key tile, head dim[, masked[, split]]): the tiles ``tiles.choose_tiles`` gives 1-D (forward
-# only), 2-D and 3-D problems; the forward and dK/dV with and without their mask code (the strided problems' launches
-# have none), and dK/dV with its key tile halved on another axis than the leading one (``hopper_dkdv._tiles``)
+# (kernel, query tile, key tile, head dim[, masked]): the tiles ``tiles.choose_tiles`` gives 1-D (forward only), 2-D
+# and 3-D problems; the forward and dK/dV with and without their mask code (the strided problems' launches have none)
 CASES = [("fwd", (1, 1, 128), (1, 1, 128), 128), ("fwd", (1, 8, 16), (1, 8, 16), 128),
          ("fwd", (2, 8, 8), (2, 8, 8), 128), ("fwd", (1, 8, 16), (2, 8, 8), 64),
          ("fwd", (1, 1, 128), (1, 1, 128), 128, False), ("fwd", (1, 8, 16), (1, 8, 16), 128, False),
@@ -37,8 +36,7 @@ CASES = [("fwd", (1, 1, 128), (1, 1, 128), 128), ("fwd", (1, 8, 16), (1, 8, 16),
          ("dq", (2, 8, 8), (2, 8, 8), 128), ("dq", (1, 8, 16), (2, 8, 8), 64),
          ("dkdv", (1, 4, 16), (1, 8, 16), 128, False), ("dkdv", (1, 8, 8), (2, 8, 8), 128, False),
          ("dkdv", (1, 4, 16), (1, 8, 16), 64, False), ("dkdv", (1, 8, 8), (1, 8, 16), 128, True),
-         ("dkdv", (4, 4, 4), (2, 8, 8), 128, True), ("dkdv", (4, 4, 4), (2, 8, 8), 64, True),
-         ("dkdv", (4, 4, 4), (2, 8, 8), 128, True, 2)]
+         ("dkdv", (4, 4, 4), (2, 8, 8), 128, True), ("dkdv", (4, 4, 4), (2, 8, 8), 64, True)]
 POINTERS = {"O": "*bf16", "DQ": "*bf16", "DLSE": "*fp32", "QUERY_RANGES": "*i32", "DK": "*bf16", "DV": "*bf16",
             "LSE": "*fp32", "DELTA": "*fp32", "FLAGS": "*i8",
             "STARTS": "*i32", "SPANS": "*i32", "ROW_OFFSETS": "*i32", "KEY_OFFSETS": "*i32"}
@@ -53,7 +51,7 @@ def _descriptor_type(box, dim):
     return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
 
 
-def compile_case(kernel, q_tile, kv_tile, dim, masked=True, split=None):
+def compile_case(kernel, q_tile, kv_tile, dim, masked=True):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     if kernel in ("fwd", "dq"):  # each consumer reads its half of the query box
@@ -63,7 +61,7 @@ def compile_case(kernel, q_tile, kv_tile, dim, masked=True, split=None):
         boxes = {"q_desc": half, "o_desc": half, "do_desc": half, "k_desc": kv_tile, "v_desc": kv_tile}
     else:  # each consumer holds its half of the 128-key tile
         module, fn = hopper_dkdv, hopper_dkdv.na_bwd_dkdv_hopper_kernel
-        keys = hopper.half_box(kv_tile, split)[0]
+        keys = hopper.half_box(kv_tile)[0]
         boxes = {"k_desc": keys, "v_desc": keys, "q_desc": q_tile, "do_desc": q_tile}
     constexprs = dict(STAGES_=module.STAGES, CONSUMER_REGS_=module.CONSUMER_REGS, PRODUCER_REGS_=module.PRODUCER_REGS)
     if kernel == "fwd":  # one program per SM where no tile needs a mask (``hopper.HopperForward.persistent``)
@@ -126,7 +124,6 @@ def main():
         if args.kernel and kernel not in args.kernel:
             continue
         label = f"{kernel} q {q_tile} kv {kv_tile} D {dim}" + (" masked" if not masked or masked[0] else " unmasked")
-        label += f" split {masked[1]}" if len(masked) > 1 else ""
         try:
             (regs, spill), wgmma, setmaxnreg, cubin = compile_case(kernel, q_tile, kv_tile, dim, *masked)
             print(f"{label}: ok  regs={regs} spill_bytes={spill} wgmma={wgmma} "

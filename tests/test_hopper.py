@@ -6,7 +6,6 @@ and run here too, and so does an offline sm_90 compile that checks the forward's
 asserts that the call took the Hopper kernel, poisons every output buffer with NaN first, and covers masked and
 mask-free launches, padded tiles, GQA, causal and strided axes, both 16-bit dtypes and both head dims.
 """
-import itertools
 import json
 import math
 import os
@@ -198,79 +197,6 @@ def test_dkdv_fixup_recomputes_the_flagged_programs():
     torch.testing.assert_close(dk[1], dk_ref[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(dv[1], dv_ref[1], rtol=1e-4, atol=1e-4)
     assert (dk[0] == 7.0).all() and (dv[0] == 7.0).all()
-
-
-@pytest.mark.parametrize("tile, axis", [((2, 8, 8), 0), ((2, 8, 8), 1), ((2, 8, 8), 2), ((1, 8, 16), None)])
-def test_half_rows_list_each_half_box_in_row_major_order(tile, axis):
-    box, offset = hopper.half_box(tile, axis)
-    rows = hopper.half_rows(tile, axis).T.tolist()
-    in_box = [[i // (box[1] * box[2]), (i // box[2]) % box[1], i % box[2]] for i in range(64)]
-    assert rows[:64] == in_box
-    assert rows[64:] == [[a + b for a, b in zip(r, offset)] for r in in_box]
-    assert sorted(map(tuple, rows)) == sorted((a, b, c) for a in range(tile[0]) for b in range(tile[1])
-                                              for c in range(tile[2]))
-
-
-def _reach_by_brute_force(L, K, s, c, lo, hi, inverse):
-    """Per axis, from ``axis_window`` position by position: the keys the queries ``[lo, hi)`` attend to, or with
-    ``inverse`` the queries whose windows hold some key of ``[lo, hi)``, as ``[first, end)``."""
-    wins = [axis_window(i, L, K, s, 1, c)[2:] for i in range(L)]
-    if inverse:
-        reached = [q for q, (a, b) in enumerate(wins) if a < hi and b > lo]
-    else:
-        reached = [k for q in range(lo, hi) for k in range(wins[q][0], wins[q][1])]
-    return (min(reached), max(reached) + 1) if reached else (0, 0)
-
-
-@pytest.mark.parametrize("spatial, kernel, stride, causal", [
-    ((12, 20), (5, 9), (1, 1), (False, False)), ((9, 16, 12), (5, 7, 5), (1, 2, 1), (True, False, False))])
-@pytest.mark.parametrize("inverse", [False, True])
-def test_pairs_with_halves_by_brute_force(spatial, kernel, stride, causal, inverse):
-    """Each half of every outer tile counted over the inner tiles of the tile's loop that meet the half's reach on
-    every axis, position by position from the window rules."""
-    params = _params(spatial, kernel, stride, causal)
-    axes = hopper.tiles.axes_of(params)
-    outer, inner = (2, 4, 4)[-len(spatial):], (2, 2, 4)[-len(spatial):]
-    for split in range(len(spatial)):
-        expected = 0
-        ranges = []  # per axis: per outer tile, the loop's first inner position and count, and each half's reach
-        for a, (L, K, s, _, c) in enumerate(params.axes()):
-            rows = []
-            for o in range(0, L, outer[a]):
-                end = min(o + outer[a], L)
-                first, stop = _reach_by_brute_force(L, K, s, c, o, end, inverse)
-                h = outer[a] // 2 if a == split else outer[a]
-                halves = [(o, min(o + h, L)), (o + h, end)] if a == split else [(o, end), (o, end)]
-                rows.append((first, -(-(stop - first) // inner[a]),
-                             [_reach_by_brute_force(L, K, s, c, f, e, inverse) if f < e else None for f, e in halves]))
-            ranges.append(rows)
-        for tile in itertools.product(*ranges):
-            for half in (0, 1):
-                if any(r[2][half] is None for r in tile):
-                    continue
-                boxes = 1
-                for a, (first, n, reach) in enumerate(tile):
-                    lo, hi = reach[half]
-                    boxes *= sum(1 for i in range(n) if first + i * inner[a] < hi and first + (i + 1) * inner[a] > lo)
-                expected += boxes
-        got = hopper.tiles.pairs_with_halves(axes, outer, inner, split, inverse=inverse)
-        assert got == expected * math.prod(outer) // 2 * math.prod(inner)
-        assert got <= hopper.tiles.pairs_computed(axes, outer, inner, inverse=inverse)
-
-
-def test_dkdv_key_tile_halved_where_the_halves_reach_fewest_query_boxes():
-    """3d-hunyuan's dK/dV key tiles (2x8x8) are halved on the last axis, where each half reaches 9% fewer query boxes
-    than on the leading one; the plan's tables and descriptors follow that split."""
-    params = _params((30, 48, 80), (18, 24, 24))
-    kv_tile, q_tile, split = hopper_dkdv._tiles(params)
-    assert (kv_tile, q_tile, split) == ((2, 8, 8), (4, 4, 4), 2)
-    axes = hopper.tiles.axes_of(params)
-    by_axis = [hopper.tiles.pairs_with_halves(axes, kv_tile, q_tile, a, inverse=True) for a in range(3)]
-    assert by_axis[2] == min(by_axis) and by_axis[2] < 0.95 * by_axis[0]
-    q4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
-    bw = hopper_dkdv.plan(q4, q4, q4, q4, params, 0.1, (q4, q4))
-    assert torch.equal(bw.key_offsets, hopper.half_rows(kv_tile, 2))
-    assert bw.kv_layouts[0][2] == [1, 2, 8, 4, 128] and bw.scalars[-3:] == (0, 0, 4)
 
 
 def test_half_box_holds_the_first_64_rows():
@@ -476,7 +402,7 @@ def test_dkdv_mask_follows_the_windows(name):
     bw = hopper_dkdv.plan(q4, k4, k4, q4, params, 0.1, (k4, k4))
     masked = bw.query_ranges.dtype == torch.int32  # (the kernel's switch: an int8 stand-in runs no mask code)
     assert masked == DKDV_CASES[name][1]
-    kv_tile, q_tile, _ = hopper_dkdv._tiles(params)
+    kv_tile, q_tile = hopper_dkdv._tiles(params)
     assert masked == (not _boxes_inside_by_brute_force(params, kv_tile, q_tile))
 
 

@@ -685,25 +685,12 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperFo
                          launch.host_kv_layouts(params, out4, out4, box)[0])
 
 
-def half_box(tile, axis: int | None = None) -> tuple[tuple, tuple]:
-    """``(box, offset)``: the box of one consumer (``tile`` halved on ``axis``, by default the leading axis longer
-    than 1, so that the first half holds the first 64 of the tile's rows in row-major order) and the second half's
-    offset from the first."""
-    if axis is None:
-        axis = next(a for a, t in enumerate(tile) if t > 1)
-    box = tuple(t // 2 if a == axis else t for a, t in enumerate(tile))
+def half_box(q_tile) -> tuple[tuple, tuple]:
+    """``(box, offset)``: the query box of one consumer (the leading axis longer than 1 halved, so it holds the
+    first 64 of the tile's rows in row-major order) and the second half's offset from the first."""
+    axis = next(a for a, t in enumerate(q_tile) if t > 1)
+    box = tuple(t // 2 if a == axis else t for a, t in enumerate(q_tile))
     return box, tuple(box[a] if a == axis else 0 for a in range(3))
-
-
-def half_rows(tile, axis: int | None = None) -> torch.Tensor:
-    """``[3, 128]`` int32: each row's offset per axis from the tile's first position, rows numbered as the consumers
-    hold them: the first half box (``half_box``) in row-major order, then the second."""
-    box, offset = half_box(tile, axis)
-    i = torch.arange(128) % 64
-    half = torch.arange(128) // 64
-    b0, b1, b2 = box
-    return torch.stack([i // (b1 * b2) + half * offset[0], (i // b2) % b1 + half * offset[1],
-                        i % b2 + half * offset[2]]).to(torch.int32)
 
 
 def _descriptor(t: torch.Tensor, shape, strides, block) -> "GluonDescriptor":

@@ -90,12 +90,6 @@ if gluon is not None:
         return gl.load(base), gl.load(base + 1)
 
     @gluon.jit
-    def _reach(lo, hi, valid):
-        """``[lo, hi)`` over the ``valid`` rows (on one axis: the queries some of a consumer's keys reach), empty where
-        no row is valid."""
-        return gl.min(gl.where(valid, lo, 2147483647), 0), gl.max(gl.where(valid, hi, 0), 0)
-
-    @gluon.jit
     def _lse_and_delta(lse_b, delta_b, q0, q1, q2, h, c_tok, L1, L2, n_tokens, slt, wanted):
         """A query box's lse and delta, one column per thread (zero past the last token, or where not ``wanted``)."""
         tok = (q0 * L1 + q1) * L2 + q2 + c_tok
@@ -123,7 +117,7 @@ if gluon is not None:
     def _consume_keys(k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, DK, DV, LSE,
                       DELTA, FLAGS, QUERY_RANGES, KEY_OFFSETS, b, hk, group, program, first0, first1, first2, ql0,
                       ql1, ql2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, skb, skt, skh, svb,
-                      svt, svh, slb, slt, qk_scale, scale, L0, L1, L2, LMAX, half0, half1, half2, half):
+                      svt, svh, slb, slt, qk_scale, scale, L0, L1, L2, LMAX, half):
         """Consumer: dK and dV of 64 keys over every query box the producer stages, then their flags and stores."""
         stages: gl.constexpr = q_smem.type.shape[0]
         T0: gl.constexpr = q_smem.type.shape[2]
@@ -150,13 +144,6 @@ if gluon is not None:
             lo0, hi0 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 0, first0, r, LMAX)
             lo1, hi1 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 1, first1, r, LMAX)
             lo2, hi2 = _reaching_queries(QUERY_RANGES, KEY_OFFSETS, 2, first2, r, LMAX)
-            # the query boxes outside the queries this consumer's keys reach are skipped: where the key tile is halved
-            # on an axis along which its windows slide, each half reaches fewer boxes than the tile (``_tiles``).  On
-            # the other axes a half reaches what the tile does, so only the halved axis (the one with a nonzero
-            # ``half*`` offset) is tested; rows past an axis' end reach no query (an empty range)
-            lo_s = gl.where(half0 > 0, lo0, gl.where(half1 > 0, lo1, lo2))
-            hi_s = gl.where(half0 > 0, hi0, gl.where(half1 > 0, hi1, hi2))
-            reach_lo, reach_hi = _reach(lo_s, hi_s, hi_s > lo_s)
         # lse and delta are loaded one column per thread, then spread over the score tile's column layout: loaded
         # in that layout, every thread would hold 16 of the 64 pointers (and spill)
         c = gl.arange(0, cols, layout=gl.BlockedLayout([1], [32], [4], [0]))
@@ -188,59 +175,49 @@ if gluon is not None:
             # A column past an axis' end holds another query's token (or one past the last): its Q and dO are zero
             # (the copy's fill) and the mask drops it, since a box sticking out is never inside every key's window.
             # Offsets fit in 32 bits (``hopper.unsupported``).
-            compute = True
+            if masked:  # loaded first, so their latency hides behind the mask and the matmuls' issue
+                lse_now, delta_now = _lse_and_delta(lse_b, delta_b, q0, q1, q2, h, c_tok, L1, L2, n_tokens, slt,
+                                                    t < total)
+            else:
+                lse_now = lse_next
+                delta_now = delta_next
+            q_cols = q_smem.index(stage).reshape([cols, block_d])
+            do_cols = do_smem.index(stage).reshape([cols, block_d])
+            # a box not inside every key's window is masked through the score matmul's initial value (0 or -inf),
+            # built before the matmuls hold their registers
+            s_init = gl.zeros([rows, cols], gl.float32, layout=s_layout)
             if masked:
-                q_s = gl.where(half0 > 0, q0, gl.where(half1 > 0, q1, q2))
-                compute = (q_s < reach_hi) & (q_s + gl.where(half0 > 0, T0, gl.where(half1 > 0, T1, T2)) > reach_lo)
-            if compute:
-                if masked:  # loaded first, so their latency hides behind the mask and the matmuls' issue
-                    lse_now, delta_now = _lse_and_delta(lse_b, delta_b, q0, q1, q2, h, c_tok, L1, L2, n_tokens,
-                                                        slt, t < total)
-                else:
-                    lse_now = lse_next
-                    delta_now = delta_next
-                q_cols = q_smem.index(stage).reshape([cols, block_d])
-                do_cols = do_smem.index(stage).reshape([cols, block_d])
-                # a box not inside every key's window is masked through the score matmul's initial value (0 or
-                # -inf), built before the matmuls hold their registers
-                s_init = gl.zeros([rows, cols], gl.float32, layout=s_layout)
-                if masked:
-                    full = ((q0 >= in_lo0) & (q0 + T0 <= in_hi0) & (q1 >= in_lo1) & (q1 + T1 <= in_hi1)
-                            & (q2 >= in_lo2) & (q2 + T2 <= in_hi2))
-                    if not full:
-                        cm = gl.arange(0, cols, layout=s_cols)
-                        qc0 = q0 + cm // (T1 * T2)
-                        qc1 = q1 + (cm // T2) % T1
-                        qc2 = q2 + cm % T2
-                        keep = ((qc0[None, :] >= lo0[:, None]) & (qc0[None, :] < hi0[:, None])
-                                & (qc1[None, :] >= lo1[:, None]) & (qc1[None, :] < hi1[:, None])
-                                & (qc2[None, :] >= lo2[:, None]) & (qc2[None, :] < hi2[:, None]))
-                        s_init = gl.where(keep, 0.0, float("-inf"))
-                mbarrier.wait(q_ready.index(stage), phase)
-                st = warpgroup_mma(k_rows, q_cols.permute((1, 0)), s_init, is_async=True)
-                mbarrier.wait(do_ready.index(stage), phase)
-                dpt = warpgroup_mma(v_rows, do_cols.permute((1, 0)),
-                                    gl.zeros([rows, cols], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-                lse2 = gl.convert_layout(lse_now * 1.4426950408889634, s_cols)
-                st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-                pt = gl.exp2(st * qk_scale - lse2[None, :])  # -inf scores: a positive scale keeps them -inf
-                delta = gl.convert_layout(delta_now, s_cols)
-                dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
-                dst = pt * (dpt - delta[None, :])
-                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_cols, dv, is_async=True)
-                dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_cols, dk, is_async=True)
-                if not masked:  # the next box's lse and delta load while the two matmuls run
-                    q0, q1, q2, h = _next_box(q0, q1, q2, h, ql0, ql1, ql2, end0, end1, end2, T0, T1, T2)
-                    lse_next, delta_next = _lse_and_delta(lse_b, delta_b, q0, q1, q2, h, c_tok, L1, L2, n_tokens,
-                                                          slt, t + 1 < total)
-                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-                mbarrier.arrive(q_empty.index(stage), count=1)
-                mbarrier.arrive(do_empty.index(stage), count=1)
-            else:  # its stages go back unread
-                mbarrier.wait(q_ready.index(stage), phase)
-                mbarrier.wait(do_ready.index(stage), phase)
-                mbarrier.arrive(q_empty.index(stage), count=1)
-                mbarrier.arrive(do_empty.index(stage), count=1)
+                full = ((q0 >= in_lo0) & (q0 + T0 <= in_hi0) & (q1 >= in_lo1) & (q1 + T1 <= in_hi1)
+                        & (q2 >= in_lo2) & (q2 + T2 <= in_hi2))
+                if not full:
+                    cm = gl.arange(0, cols, layout=s_cols)
+                    qc0 = q0 + cm // (T1 * T2)
+                    qc1 = q1 + (cm // T2) % T1
+                    qc2 = q2 + cm % T2
+                    keep = ((qc0[None, :] >= lo0[:, None]) & (qc0[None, :] < hi0[:, None])
+                            & (qc1[None, :] >= lo1[:, None]) & (qc1[None, :] < hi1[:, None])
+                            & (qc2[None, :] >= lo2[:, None]) & (qc2[None, :] < hi2[:, None]))
+                    s_init = gl.where(keep, 0.0, float("-inf"))
+            mbarrier.wait(q_ready.index(stage), phase)
+            st = warpgroup_mma(k_rows, q_cols.permute((1, 0)), s_init, is_async=True)
+            mbarrier.wait(do_ready.index(stage), phase)
+            dpt = warpgroup_mma(v_rows, do_cols.permute((1, 0)), gl.zeros([rows, cols], gl.float32, layout=s_layout),
+                                use_acc=False, is_async=True)
+            lse2 = gl.convert_layout(lse_now * 1.4426950408889634, s_cols)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+            pt = gl.exp2(st * qk_scale - lse2[None, :])  # -inf scores: a positive scale keeps them -inf
+            delta = gl.convert_layout(delta_now, s_cols)
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+            dst = pt * (dpt - delta[None, :])
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_cols, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_cols, dk, is_async=True)
+            if not masked:  # the next box's lse and delta load while the two matmuls run
+                q0, q1, q2, h = _next_box(q0, q1, q2, h, ql0, ql1, ql2, end0, end1, end2, T0, T1, T2)
+                lse_next, delta_next = _lse_and_delta(lse_b, delta_b, q0, q1, q2, h, c_tok, L1, L2, n_tokens, slt,
+                                                      t + 1 < total)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            mbarrier.arrive(do_empty.index(stage), count=1)
             if masked:  # stepped once the two matmuls' registers are free: the mask code leaves none to spare
                 q0, q1, q2, h = _next_box(q0, q1, q2, h, ql0, ql1, ql2, end0, end1, end2, T0, T1, T2)
 
@@ -297,7 +274,7 @@ if gluon is not None:
         args = (k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, DK, DV, LSE, DELTA,
                 FLAGS, QUERY_RANGES, KEY_OFFSETS, b, hk, GROUP, program, first0, first1, first2, ql0, ql1, ql2, in_lo0,
                 in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, skb, skt, skh, svb, svt, svh, slb, slt,
-                qk_scale, scale, L0, L1, L2, LMAX, half0, half1, half2)
+                qk_scale, scale, L0, L1, L2, LMAX)
         loads = (q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, do_ready, do_empty, b, hk, GROUP, ql0, ql1, ql2,
                  n12, n2, n_tiles)
         gl.warp_specialize([(_consume_keys, args + (gl.to_tensor(0),)),  # the consumer's half of the key box
@@ -363,16 +340,11 @@ def unsupported(q4, k4, v4, do4, rpb, params: NAParams, scale: float) -> str | N
     return why
 
 
-def _tiles(params: NAParams) -> tuple[tuple, tuple, int]:
-    """``(kv_tile, q_tile, split)``: the tiles per axis, leading dummy axes first, and the axis on which the key tile
-    is halved between the consumers: the one whose halves reach the fewest query boxes, since each consumer skips
-    the boxes outside its own keys' reach (``tiles.pairs_with_halves``; the leading axis on a tie)."""
-    pad = 3 - params.rank
-    axes = tiles.axes_of(params)
-    kv_tile, q_tile = tiles.choose_tiles(axes, KEYS, QUERIES, inverse=True)
-    split = min((a for a, u in enumerate(kv_tile) if u > 1),
-                key=lambda a: (tiles.pairs_with_halves(axes, kv_tile, q_tile, a, inverse=True), a))
-    return (1,) * pad + tuple(kv_tile), (1,) * pad + tuple(q_tile), split + pad
+def _tiles(params: NAParams) -> tuple[tuple, tuple]:
+    """``(kv_tile, q_tile)`` per axis, leading dummy axes first."""
+    pad = (1,) * (3 - params.rank)
+    kv_tile, q_tile = tiles.choose_tiles(tiles.axes_of(params), KEYS, QUERIES, inverse=True)
+    return pad + tuple(kv_tile), pad + tuple(q_tile)
 
 
 def every_box_inside(spans: torch.Tensor, q_tile) -> bool:
@@ -388,14 +360,12 @@ def every_box_inside(spans: torch.Tensor, q_tile) -> bool:
     return True
 
 
-def inverse_tables(params: NAParams, kv_tile, split: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
+def inverse_tables(params: NAParams, kv_tile) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(query_ranges, spans, key_offsets)``, per axis (leading dummy axes first): for every key position the queries
     whose windows hold it, ``[lo, hi)`` (empty past the axis' end, up to the last tile's end); for every key tile the
     queries reaching it ``[lo, hi)``, those whose windows hold all of it ``[in_lo, in_hi)`` (empty where none does)
-    and its first key (padded to 8 fields); and each of a tile's rows' offsets from that first key, in the
-    consumers' order (``hopper.half_rows``: the tile halved on ``split``).  A window's start and stop never decrease
-    along an axis, so all these query sets are ranges."""
+    and its first key (padded to 8 fields); and each of a tile's rows' offsets from that first key.  A window's
+    start and stop never decrease along an axis, so all these query sets are ranges."""
     axes = [tiles.Axis(1, 1, 1)] * (3 - params.rank) + tiles.axes_of(params)
     n_tiles = [-(-ax.Lg // u) for ax, u in zip(axes, kv_tile)]
     ranges = torch.zeros(3, max(n * u for n, u in zip(n_tiles, kv_tile)), 2, dtype=torch.int32)
@@ -408,7 +378,10 @@ def inverse_tables(params: NAParams, kv_tile, split: int | None = None) -> tuple
             first, last = tile * u, min(tile * u + u, ax.Lg) - 1
             spans[a, tile, :5] = torch.tensor([lo[first], hi[last], lo[last], max(hi[first], lo[last]), first],
                                               dtype=torch.int32)
-    return ranges, spans, hopper.half_rows(kv_tile, split)
+    rows = torch.arange(KEYS)
+    u0, u1, u2 = kv_tile
+    key_offsets = torch.stack([rows // (u1 * u2), (rows // u2) % u1, rows % u2]).to(torch.int32)
+    return ranges, spans, key_offsets
 
 
 def plan(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
@@ -417,16 +390,16 @@ def plan(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
     from . import launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
-    kv_tile, q_tile, split = _tiles(params)
+    kv_tile, q_tile = _tiles(params)
     window, programs = launch._window_args(params, kv_tile)
     L, K, S, _, C = launch._axes3(params)
     nu = tuple(window[12:15])
-    ranges, spans, key_offsets = inverse_tables(params, kv_tile, split)
+    ranges, spans, key_offsets = inverse_tables(params, kv_tile)
     lmax = ranges.shape[1]
     if every_box_inside(spans, q_tile):  # the kernel reads the mask switch off the table's type (``_consume_keys``)
         ranges = torch.zeros(1, dtype=torch.int8)
     ranges, spans, key_offsets = (t.to(q4.device) for t in (ranges, spans, key_offsets))
-    box, offset = hopper.half_box(kv_tile, split)
+    box, offset = hopper.half_box(kv_tile)
     lse_strides = (params.num_tokens * hq, hq)
     dk, dv = grads
     scalars = (*launch._strides(dk), *launch._strides(dv), *lse_strides, hkv, hq // hkv, scale * kernels.LOG2E,

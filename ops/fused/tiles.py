@@ -177,27 +177,3 @@ def choose_tiles(axes: list[Axis], outer_size: int, inner_size: int, inverse: bo
 def total_size(tokens: int, wanted: int) -> int:
     """Tile size: ``wanted`` but no more than needed for a tiny problem, and at least MIN_DOT."""
     return max(MIN_DOT, min(wanted, 1 << _log2(tokens)))
-
-
-def pairs_with_halves(axes: list[Axis], outer: tuple, inner: tuple, split: int, inverse: bool = False) -> int:
-    """(query, key) pairs computed where each half of every outer tile (halved on axis ``split``, one consumer each)
-    skips the inner tiles outside its own reach, instead of computing every inner tile of the whole outer tile
-    (``pairs_computed``).  Separable as ``pairs_computed``: per axis, per outer tile and half, the inner tiles that
-    meet the half's reach."""
-    half_counts = [[], []]  # per half: per axis, inner tiles visited summed over the outer tiles
-    for a, (ax, t, u) in enumerate(zip(axes, outer, inner)):
-        starts, stops = axis_windows(ax)
-        visited = [0, 0]
-        for o in range(0, ax.Lg, t):
-            last = min(o + t, ax.Lg) - 1
-            first_inner, end = (reaching_queries(starts, stops, o, last) if inverse else (starts[o], stops[last]))
-            n = -(-max(end - first_inner, 0) // u)
-            halves = ((o, min(o + t // 2, ax.Lg) - 1), (o + t // 2, last)) if a == split else ((o, last), (o, last))
-            for h, (f, l) in enumerate(halves):
-                if f > l:
-                    continue
-                lo, hi = reaching_queries(starts, stops, f, l) if inverse else (starts[f], stops[l])
-                visited[h] += sum(1 for i in range(n) if first_inner + i * u < hi and first_inner + (i + 1) * u > lo)
-        for h in (0, 1):
-            half_counts[h].append(visited[h])
-    return sum(math.prod(c) for c in half_counts) * (math.prod(outer) // 2) * math.prod(inner)
