@@ -5,13 +5,11 @@
 
 Each NAME=PATH is a copy of ops/fused/kernels.py, and NAME=MODULE:PATH one of another kernel module the launcher
 calls (``hopper``, ``hopper_dq``, ``hopper_dkdv``: e.g. ``old=hopper:/tmp/hopper.py`` from ``git show``); ``base`` is
-the checked-out code, always timed first.  The launcher is pointed at each variant's module in turn, its plans
-cleared, and ``ops.bench``'s call of the problem timed with ``do_bench`` (median of each round; medians over rounds
-reported).  Every variant's output (and gradients with ``--backward``) is compared with the base's (max abs
-difference), and one that differs by more than 1e-2 is flagged.
-A loaded copy of a Hopper module (``hopper_dq``) has timed about 10% slower than the same source checked out, with the
-same kernel times (docs/fused.md, "Measuring"): compare those modules by ``--profile``'s kernel times, or with ``--set``
-on the checked-out module.  ``--profile`` prints each variant's CUDA time per kernel (``fused_profile.kernel_times``).
+the checked-out code.  The launcher is pointed at each variant's module in turn, its plans cleared, and the problem's
+call timed as ``ops.bench`` times it (``bench._bench``, at least ``bench.MIN_CALLS`` calls; rounds in rotating order,
+``bench.time_alternating``; medians over rounds reported).  Every variant's output (and gradients with
+``--backward``) is compared with the base's (max abs difference), and one that differs by more than 1e-2 is flagged.
+``--profile`` also prints each variant's CUDA time per kernel (``fused_profile.kernel_times``: back-to-back calls).
 ``--set MOD.X=V`` sets a constant of ``launch``, ``rpb_grad`` or a kernel module (``hopper.PERSISTENT_MASKED=True``)
 for variants named ``NAME@set``, whose path may be ``base``, the checked-out source (``pm@set=hopper:base``);
 ``--force NAME:fwd=64,64,4,2,1,128`` pins variant NAME's kernel to an ``autotune.Config`` (MAXNREG 0: none)."""
@@ -21,7 +19,6 @@ import statistics
 import sys
 
 import torch
-import triton.testing
 
 from ops import bench
 from ops.fused import autotune, launch, rpb_grad
@@ -44,7 +41,7 @@ def main():
     ap.add_argument("variants", nargs="*")
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--rep", type=float, default=200)
+    ap.add_argument("--rep", type=float, default=200, help="ms of timed calls a round (at least bench.MIN_CALLS)")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--force", action="append", default=[])
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (no timing)")
@@ -117,13 +114,20 @@ def main():
         print(f"{name}: max |out - base| = {diff:.3g}{'  DIFFERS' if diff > 1e-2 else ''}")
     if args.device != "cuda":
         return
-    times = {name: [] for name in mods}
-    for _ in range(args.rounds):
-        for name in mods:
+
+    def timed(name):  # the variant's plans rebuilt, then its call timed as ``ops.bench`` times one
+        def run():
             activate(name)
-            fns[name]()  # rebuild the plans of this variant
-            times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=args.rep, return_mode="median"))
-            deactivate(name)
+            fns[name]()
+            try:
+                return bench._bench(fns[name], 25, args.rep)
+            finally:
+                deactivate(name)
+        return run
+
+    times, errors = bench.time_alternating({name: timed(name) for name in mods}, args.rounds, lambda run: run())
+    if errors:
+        raise SystemExit(f"timing failed: {errors}")
     if args.profile:
         from fused_profile import kernel_times
 

@@ -8,8 +8,9 @@
     python -m ops.bench --rounds 5 --rep 300         # SDPA and the backends timed in 5 alternating rounds
     python -m ops.bench --backends fused,fused-portable   # the fused backend with and without its Hopper kernels
 
-Per problem and backend: median ms (CUDA events through ``triton.testing.do_bench``; with ``--rounds N`` the median
-of N rounds that time SDPA and every backend in turn, so clock drift between them does not bias E), effective
+Per problem and backend: median ms (CUDA events through ``triton.testing.do_bench``, at least ``MIN_CALLS`` timed
+calls; with ``--rounds N`` the median of N rounds that time SDPA and every backend in turn, so clock drift between
+them does not bias E), effective
 TFLOP/s (forward 4*B*H*N*W*D with W = keys a query actually visits; forward+backward counted as
 3.5x the forward), speedup over SDPA (``scaled_dot_product_attention`` on ``[B, H, N, D]``, dense,
 same tokens, timed in the same run), efficiency ``E = speedup / (SDPA FLOPs / NA FLOPs)``
@@ -157,10 +158,24 @@ def time_alternating(fns: dict, rounds: int, bench) -> tuple[dict, dict]:
     return times, errors
 
 
+# Timed calls per measurement, at least.  ``do_bench`` times as many calls as fit in ``rep`` ms, so a 100 ms budget
+# left a 37 ms call two samples and a 190 ms call one; single flushed calls of the same 37 ms step then ranged over
+# 35.5-40.5 ms where back-to-back calls stayed within 37.2-37.5 (H100, 2d-flux-s16 forward + backward).
+MIN_CALLS = 10
+
+
 def _bench(fn, warmup_ms, rep_ms):
+    """Median ms of ``fn`` by ``do_bench`` (L2 flushed before each call), over ``rep_ms`` of calls or ``MIN_CALLS``
+    calls, whichever is more."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    rep = max(rep_ms, MIN_CALLS * start.elapsed_time(end))
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep, return_mode="median")
 
 
 def measure_ceilings(device) -> dict:
@@ -434,7 +449,7 @@ def main(argv=None):
     ap.add_argument("--autotune", action="store_true", help="tune fused kernels (cached on disk) before timing")
     ap.add_argument("--check", type=int, default=0, help="check fused on this many sampled queries (fwd only)")
     ap.add_argument("--warmup", type=float, default=25, help="do_bench warm-up (ms)")
-    ap.add_argument("--rep", type=float, default=100, help="do_bench repetition budget (ms)")
+    ap.add_argument("--rep", type=float, default=100, help="do_bench repetition budget (ms; at least MIN_CALLS calls)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time SDPA and every backend this many times in alternating rounds; medians reported")
     ap.add_argument("--kernels", action="store_true",
