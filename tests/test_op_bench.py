@@ -26,6 +26,30 @@ def test_time_alternating_interleaves_rounds_and_reports_failures():
     assert list(errors) == ["broken"] and "out of memory" in str(errors["broken"])
 
 
+@pytest.mark.parametrize("call_ms, rep, expect_rep", [(37.0, 100, 370.0), (0.5, 100, 100), (190.0, 3000, 3000)])
+def test_bench_times_at_least_min_calls(monkeypatch, call_ms, rep, expect_rep):
+    """``_bench`` times one call first and gives ``do_bench`` a budget of at least ``MIN_CALLS`` such calls: a
+    budget that fits only one or two calls of a large problem leaves its median to one or two flushed samples."""
+    import triton.testing
+
+    class Event:  # a stand-in CUDA event: every timed interval lasts ``call_ms``
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return call_ms
+
+    calls, budgets = [], []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, return_mode: budgets.append(rep) or 1.5)
+    assert bench._bench(lambda: calls.append(1), 25, rep) == 1.5
+    assert calls == [1] and budgets == [pytest.approx(expect_rep)] and bench.MIN_CALLS == 10
+
+
 @pytest.mark.parametrize("backward", [False, True])
 def test_backend_calls_keep_their_own_backend_and_inputs(monkeypatch, backward):
     """The timing rounds run after every backend's first call, so each timed function must hold its own backend
