@@ -10,10 +10,9 @@
 
 Per problem and backend: median ms (CUDA events through ``triton.testing.do_bench``, at least ``MIN_CALLS`` timed
 calls; with ``--rounds N`` the median of N rounds that time SDPA and every backend in turn, so clock drift between
-them does not bias E), effective
-TFLOP/s (forward 4*B*H*N*W*D with W = keys a query actually visits; forward+backward counted as
-3.5x the forward), speedup over SDPA (``scaled_dot_product_attention`` on ``[B, H, N, D]``, dense,
-same tokens, timed in the same run), efficiency ``E = speedup / (SDPA FLOPs / NA FLOPs)``
+them does not bias E), effective TFLOP/s (forward 4*B*H*N*W*D with W = keys a query actually visits;
+forward+backward counted as 3.5x the forward), speedup over SDPA (``scaled_dot_product_attention`` on
+``[B, H, N, D]``, dense, same tokens, timed in the same run), efficiency ``E = speedup / (SDPA FLOPs / NA FLOPs)``
 (= NA TFLOP/s over SDPA TFLOP/s), and GB/s for the bytes a perfect kernel must move (inputs read
 once, outputs written once) with its fraction of the copy bandwidth measured in the same run;
 problems whose FLOP/byte is under the measured matmul-rate / copy-bandwidth ratio are flagged
@@ -159,8 +158,8 @@ def time_alternating(fns: dict, rounds: int, bench) -> tuple[dict, dict]:
 
 
 # Timed calls per measurement, at least.  ``do_bench`` times as many calls as fit in ``rep`` ms, so a 100 ms budget
-# left a 37 ms call two samples and a 190 ms call one; single flushed calls of the same 37 ms step then ranged over
-# 35.5-40.5 ms where back-to-back calls stayed within 37.2-37.5 (H100, 2d-flux-s16 forward + backward).
+# left a 37 ms call two samples and a 190 ms call one: eight such measurements of one 37 ms step ranged over
+# 35.5-40.5 ms, where 20 calls back to back stayed within 37.2-37.5 (H100, 2d-flux-s16 forward + backward).
 MIN_CALLS = 10
 
 
