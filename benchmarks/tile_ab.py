@@ -12,7 +12,8 @@ For each kernel (fwd, dq, dkdv) the script times, on the same inputs:
   as ``AxBxC`` (outer = query tile for fwd / dq, key tile for dkdv), ``rN`` a cap of N registers per thread.
 
 Times are the tuner's own (median of CUDA-graph replays, ``autotune._kernel_ms``), one line per
-round and a median over the rounds at the end; alternating rounds keep clock drift out of the A/B.
+round and a median over the rounds at the end; rounds that alternate, each starting one variant later, keep
+clock drift and the place in a round out of the A/B.
 ``--keep-best`` writes each kernel's fastest launch into the tuning cache for this problem.
 ``--bwd-host-desc`` times every TMA variant of dQ and dK/dV twice: with descriptors built by each program
 (``launch.BACKWARD_HOST_DESCRIPTORS`` off, as ``name``) and on the host (on, the default, as ``name+host``), from
@@ -104,7 +105,11 @@ def main():
         table[kernel] = (runners, variants, {name: [] for name in variants}, key)
     for r in range(args.rounds):
         for kernel, (runners, variants, times, _) in table.items():
-            for name, launch in variants.items():
+            # each round starts one variant later: consecutive measurements can alternate fast and slow
+            # (docs/fused.md, "Measuring"), which a fixed order would pin on the same variants
+            names = list(variants)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                launch = variants[name]
                 times[name].append(autotune._kernel_ms(lambda: runners[name](launch)))
             print(f"round {r} {kernel}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()), flush=True)
     print(f"{args.problem}: median ms over {args.rounds} rounds")
