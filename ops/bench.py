@@ -482,6 +482,7 @@ def main(argv=None):
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": __import__("triton").__version__, "dtype": args.dtype,
         "command": "python -m ops.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "timing": f"do_bench median, L2 flushed, warmup {args.warmup} ms, {args.rep} ms or {MIN_CALLS} calls at least",
     }
     env.update(measure_ceilings(torch.device("cuda")))
     log(json.dumps(env))
