@@ -26,7 +26,7 @@ import statistics
 
 import torch
 
-from ops.bench import standard_problems
+from ops.bench import round_order, standard_problems
 from ops.fused import autotune, launch as fused_launch
 
 
@@ -107,8 +107,7 @@ def main():
         for kernel, (runners, variants, times, _) in table.items():
             # each round starts one variant later: consecutive measurements can alternate fast and slow
             # (docs/fused.md, "Measuring"), which a fixed order would pin on the same variants
-            names = list(variants)
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in round_order(list(variants), r):
                 launch = variants[name]
                 times[name].append(autotune._kernel_ms(lambda: runners[name](launch)))
             print(f"round {r} {kernel}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()), flush=True)

@@ -133,6 +133,11 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
+def round_order(names: list, r: int) -> list:
+    """``names`` in the order round ``r`` times them: from the r-th on, wrapping."""
+    return names[r % len(names):] + names[:r % len(names)]
+
+
 def time_alternating(fns: dict, rounds: int, bench) -> tuple[dict, dict]:
     """``({name: [ms per round]}, {name: error})``: every function timed once per round, each round starting one
     function later than the one before (round r runs them from the r-th on, wrapping); one that raises is reported
@@ -144,9 +149,8 @@ def time_alternating(fns: dict, rounds: int, bench) -> tuple[dict, dict]:
     same kernel, timed second and third after SDPA's long dense run, differed by 7-13% (H100, 1-D problems) in
     favour of the one timed right after SDPA, every round; rotating the order gives every function every place."""
     times, errors = {name: [] for name in fns}, {}
-    names = list(fns)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in round_order(list(fns), r):
             fn = fns[name]
             if name in errors:
                 continue
