@@ -39,7 +39,8 @@ CASES = [("fwd", (1, 1, 128), (1, 1, 128), 128), ("fwd", (1, 8, 16), (1, 8, 16),
          ("dkdv", (4, 4, 4), (2, 8, 8), 128, True), ("dkdv", (4, 4, 4), (2, 8, 8), 64, True)]
 POINTERS = {"O": "*bf16", "DQ": "*bf16", "DLSE": "*fp32", "QUERY_RANGES": "*i32", "DK": "*bf16", "DV": "*bf16",
             "LSE": "*fp32", "DELTA": "*fp32", "FLAGS": "*i8",
-            "STARTS": "*i32", "SPANS": "*i32", "ROW_OFFSETS": "*i32", "KEY_OFFSETS": "*i32"}
+            "STARTS": "*i32", "SPANS": "*i32", "ORDER": "*i32", "ROW_OFFSETS": "*i32",
+            "KEY_OFFSETS": "*i32"}
 FLOATS = ("qk_scale", "scale")
 
 

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():  # must precede the first import of triton cod
 pytest.importorskip("triton")
 
 import ops  # noqa: E402
-from ops.fused import hopper, hopper_dkdv, hopper_dq, launch  # noqa: E402
+from ops.fused import hopper, hopper_dkdv, hopper_dq, launch, launch_order  # noqa: E402
 from ops.window import NAParams, axis_window  # noqa: E402
 from tests.oracle import RandomProblem, dense_mask_and_bias_index, oracle_attention  # noqa: E402
 
@@ -256,6 +256,16 @@ def poisoned(monkeypatch):
     launch._BACKWARD.clear()
 
 
+@pytest.fixture(params=["planned", "shuffled"])
+def tile_orders(request, monkeypatch):
+    """Tiles run in the planned order, or in a random one: each kernel must find its tile, and number its flags as the
+    fixup kernels do, through the order table whatever it holds."""
+    if request.param == "shuffled":
+        gen = torch.Generator().manual_seed(0)
+        monkeypatch.setattr(launch_order, "block_order", lambda counts, spans, at_once: torch.randperm(
+            math.prod(counts), generator=gen).to(torch.int32))
+
+
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 CASES = {
@@ -314,7 +324,7 @@ def test_gpu_forward_matches_oracle(poisoned, name, dtype, dim):
 
 @pytest.mark.parametrize("name, dim", [("3d-causal", 128), ("2d-strided", 64), ("1d-causal-gqa", 128)])
 @gpu
-def test_gpu_forward_programs_run_many_work_items(poisoned, monkeypatch, name, dim):
+def test_gpu_forward_programs_run_many_work_items(poisoned, tile_orders, monkeypatch, name, dim):
     """With 3 programs every program runs many query tiles one after another (the rings, turns and Q / output buffers
     carried from tile to tile, masked tiles of different loop lengths too); the result still matches the oracle."""
     monkeypatch.setattr(hopper, "PERSISTENT_MASKED", True)
@@ -345,7 +355,7 @@ def test_gpu_backward_from_the_hopper_forward(poisoned):
 
 
 @gpu
-def test_gpu_nonfinite_keys_stay_in_their_windows(poisoned):
+def test_gpu_nonfinite_keys_stay_in_their_windows(poisoned, tile_orders):
     """A NaN key reaches exactly the queries whose windows hold it: the flagged programs' rows are recomputed one
     window offset at a time, every other row is finite and matches the oracle."""
     p = _problem("2d-strided", 64)
@@ -470,7 +480,7 @@ def test_gpu_dkdv_matches_oracle(poisoned, name, dtype, dim):
 
 
 @gpu
-def test_gpu_dkdv_nonfinite_queries_stay_in_their_windows(poisoned):
+def test_gpu_dkdv_nonfinite_queries_stay_in_their_windows(poisoned, tile_orders):
     """A NaN query reaches the dK / dV of exactly the keys in its window (the flagged key tiles are recomputed one
     window offset at a time); every other key's gradients are finite and match the oracle's from the same inputs with
     that query's output gradient zeroed."""
@@ -519,7 +529,7 @@ def test_gpu_dq_matches_oracle_in_1d_with_an_lse_gradient(poisoned):
 
 
 @gpu
-def test_gpu_dq_nonfinite_keys_stay_in_their_windows(poisoned):
+def test_gpu_dq_nonfinite_keys_stay_in_their_windows(poisoned, tile_orders):
     """A NaN key reaches the dQ of exactly the queries whose windows hold it (the flagged programs' rows are
     recomputed one window offset at a time); every other query's dQ is finite and matches the oracle's from the same
     inputs with that key zeroed."""

@@ -17,6 +17,8 @@ The window rules stay on the host (``window_tables``, from ``ops.window``): per 
 and its first query; and each row's offset inside the tile.  Key boxes inside every row's window skip the mask,
 and a launch where the host finds every box of every program inside (the strided problems) has no mask at all.
 The query box reaches shared memory as two boxes of 64 rows, one per consumer (``half_box``), read straight from Q.
+Programs take their tiles in ``tile_order`` (``launch_order``: the tiles in flight at once read K and V boxes that
+fit in L2 together), as the dQ and dK/dV kernels do.
 
 A program whose result holds a NaN or an infinity flags its rows; ``na_fwd_nonfinite_kernel`` (Triton) then
 recomputes the flagged programs one window offset at a time (``kernels._attend_by_offset``), which keeps non-finite
@@ -39,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import kernels, tiles
+from . import kernels, launch_order, tiles
 from .kernels import _attend_by_offset, _program_group
 from ..window import NAParams
 
@@ -67,6 +69,10 @@ PRODUCER_REGS = 40  # the producer also walks the work items and their spans: on
 # same time stop sharing L2 (3d-hunyuan's forward ran 12-18% longer), and one program per tile, which the hardware
 # hands to each SM as it frees up, runs instead.
 PERSISTENT_MASKED = False
+# Tiles run in ``launch_order``'s blocks, so that the programs running at once read K and V boxes that fit in L2
+# together (off: row-major, the last axis fastest).
+ORDERED = True
+H100_MULTIPROCESSORS = 132  # programs at once for launch orders planned without a GPU (tests)
 
 
 @contextlib.contextmanager
@@ -108,22 +114,22 @@ if gluon is not None:
         return gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4)
 
     @gluon.jit
-    def _program(HEADS):
-        """The program's flat index and its batch element and head (grid axis 1 is ``b * HEADS + head``)."""
-        return (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), gl.program_id(1) // HEADS,
+    def _program(HEADS, ORDER):
+        """The program's tile (``ORDER`` at grid axis 0: tiles run in ``launch_order``), its flat index as the fixup
+        kernels number programs (``(b * HEADS + head) * tiles + tile``) and its batch element and head (grid axis 1
+        is ``b * HEADS + head``)."""
+        tile = gl.load(ORDER + gl.program_id(0))
+        return (tile, gl.program_id(1) * gl.num_programs(0) + tile, gl.program_id(1) // HEADS,
                 gl.program_id(1) % HEADS)
 
     @gluon.jit
-    def _box_spans(SPANS, N1, N2, NMAX, box_desc):
-        """``_tile_spans`` of the program's tile (grid axis 0)."""
-        return _tile_spans(SPANS, N1, N2, NMAX, box_desc, gl.program_id(0))
-
-    @gluon.jit
-    def _work_item(w, SPANS, TILES, N1, N2, NMAX, HEADS, box_desc):
-        """Work item ``w`` of a persistent launch, numbered as ``_program`` numbers programs (``(b * HEADS + head) *
-        TILES + tile``): ``(b, head, spans)``, ``spans`` the tile's ``_tile_spans``."""
+    def _work_item(w, SPANS, ORDER, TILES, N1, N2, NMAX, HEADS, box_desc):
+        """Work item ``w`` of a persistent launch (position ``w - bh * TILES`` of batch element and head ``bh``, whose
+        tile ``ORDER`` holds): ``(item, b, head, spans)``, ``item`` numbered as ``_program`` numbers programs and
+        ``spans`` the tile's ``_tile_spans``."""
         bh = w // TILES
-        return bh // HEADS, bh % HEADS, _tile_spans(SPANS, N1, N2, NMAX, box_desc, w - bh * TILES)
+        tile = gl.load(ORDER + w - bh * TILES)
+        return bh * TILES + tile, bh // HEADS, bh % HEADS, _tile_spans(SPANS, N1, N2, NMAX, box_desc, tile)
 
     @gluon.jit
     def _tile_spans(SPANS, N1, N2, NMAX, box_desc, tile):
@@ -401,7 +407,8 @@ if gluon is not None:
 
     @gluon.jit
     def _consume(q_smem, o_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns, k_desc,
-                 o_desc, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS, TILES, NT1, NT2, NTMAX, HQ, work, half0, half1, half2,
+                 o_desc, LSE, FLAGS, STARTS, SPANS, ORDER, ROW_OFFSETS, TILES, NT1, NT2, NTMAX, HQ, work, half0, half1,
+                 half2,
                  slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, half):
         """Consumer of a persistent program: its half of every work item's query tile (``_attend``), then their
         output, whose bulk copy runs on under the next work item (only the next item's output waits for it)."""
@@ -414,7 +421,7 @@ if gluon is not None:
         turns_done = 0
         item = 0
         for w in range(gl.program_id(0), work, gl.num_programs(0)):
-            b, h, spans = _work_item(w, SPANS, TILES, NT1, NT2, NTMAX, HQ, k_desc)
+            it, b, h, spans = _work_item(w, SPANS, ORDER, TILES, NT1, NT2, NTMAX, HQ, k_desc)
             (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
              n_tiles) = spans
             r, q_ok, tok, start0, stop0, start1, stop1, start2, stop2 = _consumer_rows(
@@ -427,20 +434,20 @@ if gluon is not None:
             turns_done += n_tiles + 1
             item += 1
             tma.store_wait(0)  # the previous item's output has left o_smem
-            _store_rows(acc, m_i, l_i, o_smem.index(half), o_desc, LSE, FLAGS, w, r, q_ok, tok, b, h, first0, first1,
+            _store_rows(acc, m_i, l_i, o_smem.index(half), o_desc, LSE, FLAGS, it, r, q_ok, tok, b, h, first0, first1,
                         first2, half0, half1, half2, slb, slt, store_lse, half)
         tma.store_wait(0)
 
     @gluon.jit
     def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                 SPANS, TILES, NT1, NT2, NTMAX, HQ, GROUP, work, half0, half1, half2):
+                 SPANS, ORDER, TILES, NT1, NT2, NTMAX, HQ, GROUP, work, half0, half1, half2):
         """Producer: every work item's query tile (both halves, once the consumers' last score matmuls on the one
         before are done), then its key boxes (``_load_boxes``)."""
         block_d: gl.constexpr = k_desc.block_type.shape[4]
         done = 0
         item = 0
         for w in range(gl.program_id(0), work, gl.num_programs(0)):
-            b, h, spans = _work_item(w, SPANS, TILES, NT1, NT2, NTMAX, HQ, k_desc)
+            _, b, h, spans = _work_item(w, SPANS, ORDER, TILES, NT1, NT2, NTMAX, HQ, k_desc)
             first0, first1, first2, lo0, lo1, lo2 = spans[0], spans[1], spans[2], spans[3], spans[4], spans[5]
             n12, n2, n_tiles = spans[12], spans[13], spans[14]
             mbarrier.wait(q_empty, (item & 1) ^ 1)
@@ -452,7 +459,7 @@ if gluon is not None:
             item += 1
 
     @gluon.jit
-    def na_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS,
+    def na_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, FLAGS, STARTS, SPANS, ORDER, ROW_OFFSETS,
                              slb, slt, HQ, GROUP, qk_scale, L0, L1, L2, NT0, NT1, NT2, LMAX, NTMAX,
                              half0, half1, half2, store_lse, mask, work, PERSISTENT_: gl.constexpr,
                              STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
@@ -462,11 +469,11 @@ if gluon is not None:
         # stop) of the position's window; SPANS[axis, tile] = (lo, hi, in_lo, in_hi, first query, -, -, -) of a query
         # tile; ROW_OFFSETS[axis, row] = the row's offset from the tile's first query.  FLAGS[item, row] = 1 where
         # the row's result holds a NaN / inf.  ``store_lse`` / ``mask``: runtime switches (see the partitions).
-        # Work items (query tiles of a batch element and head) are numbered (b * HQ + head) * tiles + tile, ``work``
-        # of them.  PERSISTENT_: program p runs the items p, p + programs, ... (``HopperForward.main_grid``), in an
-        # order that keeps the programs running at once on neighbouring tiles, whose K and V boxes share L2, as
-        # consecutive programs of a launch with one program per tile are (the other case: a 2-D grid of tiles and
-        # b * HQ + head).
+        # Work items (query tiles of a batch element and head) run in launch positions (b * HQ + head) * tiles +
+        # position, ``work`` of them; ORDER[position] is the tile (``tile_order``: the programs running at once on
+        # tiles whose K and V boxes fit in L2 together), and FLAGS are numbered by tile, as the fixup kernel numbers
+        # its programs.  PERSISTENT_: program p runs the positions p, p + programs, ... (``HopperForward.main_grid``);
+        # otherwise a 2-D grid of positions and b * HQ + head, which the hardware starts in that order.
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = _rings(k_desc, v_desc, STAGES_, 2)
         turns = _turn_barriers()
@@ -478,21 +485,21 @@ if gluon is not None:
             o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
             fence_async_shared()
             consumer = (q_smem, o_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns,
-                        k_desc, o_desc, LSE, FLAGS, STARTS, SPANS, ROW_OFFSETS, NT0 * NT1 * NT2, NT1, NT2, NTMAX, HQ,
-                        work, half0, half1, half2, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
+                        k_desc, o_desc, LSE, FLAGS, STARTS, SPANS, ORDER, ROW_OFFSETS, NT0 * NT1 * NT2, NT1, NT2, NTMAX,
+                        HQ, work, half0, half1, half2, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask)
             gl.warp_specialize([
                 (_consume, consumer + (gl.to_tensor(0),)),  # the consumer's half of the query box
                 (_consume, consumer + (gl.to_tensor(1),)),
                 (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                            v_ready, v_empty, SPANS, NT0 * NT1 * NT2, NT1, NT2, NTMAX, HQ, GROUP, work, half0, half1,
-                            half2)),
+                            v_ready, v_empty, SPANS, ORDER, NT0 * NT1 * NT2, NT1, NT2, NTMAX, HQ, GROUP, work, half0,
+                            half1, half2)),
             ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
         else:
             fence_async_shared()
-            program, b, h = _program(HQ)
+            tile, program, b, h = _program(HQ, ORDER)
             BLOCK_D: gl.constexpr = k_desc.block_type.shape[4]
             (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-             n_tiles) = _box_spans(SPANS, NT1, NT2, NTMAX, k_desc)
+             n_tiles) = _tile_spans(SPANS, NT1, NT2, NTMAX, k_desc, tile)
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
             _load_halves(q_desc, q_smem, q_ready, b, first0, first1, first2, half0, half1, half2, h * BLOCK_D)
             consumer = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns, o_desc,
@@ -542,6 +549,7 @@ class HopperForward:
     masked: bool  # some key tile lies partly outside some row's window (else no tile is masked)
     starts: torch.Tensor  # [3, LMAX, 2] int32: each position's window per axis
     spans: torch.Tensor  # [3, NTMAX, 8] int32: each query tile's key span and first query per axis
+    order: torch.Tensor  # [query tiles] int32: the tiles in the order the programs run them (``tile_order``)
     row_offsets: torch.Tensor  # [3, 128] int32: each row's offset from its tile's first query per axis
     scalars: tuple  # the main kernel's, after its tensor arguments
     meta: dict
@@ -633,11 +641,23 @@ def window_tables(params: NAParams, q_tile, device) -> tuple[torch.Tensor, torch
     return starts.to(device), spans.to(device), row_offsets.to(device)
 
 
+def tile_order(counts: tuple, spans: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The order a launch runs a grid of ``counts`` tiles in (per axis, leading dummy axes 1), as an int32 table on
+    ``device``: ``launch_order.block_order`` over the tiles' spans (``spans[axis, tile, :2]``) for the programs that
+    run at once (one per SM), or row-major where ``ORDERED`` is off."""
+    at_once = _multiprocessors(device) if device.type == "cuda" else H100_MULTIPROCESSORS
+    if ORDERED:
+        order = launch_order.block_order(counts, spans, at_once)
+    else:
+        order = launch_order.blocked(counts, counts)
+    return order.to(device=device, dtype=torch.int32)
+
+
 def query_boxes(params: NAParams, device) -> tuple:
-    """The launch geometry the forward and dQ kernels share: ``(q_tile, kv_tile, masked, programs, nt, tables)``, the
-    128-row query box and 128-key box per axis (``tiles.choose_tiles``, leading dummy axes first), whether some key
-    box of some program needs a mask, the programs per batch element and head, the query tiles per axis and the
-    window tables (``window_tables``)."""
+    """The launch geometry the forward and dQ kernels share: ``(q_tile, kv_tile, masked, programs, nt, tables,
+    order)``, the 128-row query box and 128-key box per axis (``tiles.choose_tiles``, leading dummy axes first),
+    whether some key box of some program needs a mask, the programs per batch element and head, the query tiles per
+    axis, the window tables (``window_tables``) and the order the tiles run in (``tile_order``)."""
     from . import launch
 
     pad = 3 - params.rank
@@ -646,7 +666,9 @@ def query_boxes(params: NAParams, device) -> tuple:
     masked = tiles.partial_axes(axes, q_tile, kv_tile) > 0
     q_tile, kv_tile = (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile)
     window, programs = launch._window_args(params, q_tile)
-    return q_tile, kv_tile, masked, programs, tuple(window[12:15]), window_tables(params, q_tile, device)
+    nt = tuple(window[12:15])
+    tables = window_tables(params, q_tile, device)
+    return q_tile, kv_tile, masked, programs, nt, tables, tile_order(nt, tables[1], torch.device(device))
 
 
 def fixup_meta(params: NAParams, q_tile, d: int) -> dict:
@@ -665,7 +687,7 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperFo
     from . import launch
 
     b, n, hq, hkv, d = q4.shape[0], params.num_tokens, q4.shape[-2], k4.shape[-2], q4.shape[-1]
-    q_tile, kv_tile, masked, programs, nt, (starts, spans, row_offsets) = query_boxes(params, q4.device)
+    q_tile, kv_tile, masked, programs, nt, (starts, spans, row_offsets), order = query_boxes(params, q4.device)
     L, K, S, _, _ = launch._axes3(params)
     lse_strides = (n * hq, hq) if need_lse else (0, 0)
     out4 = torch.empty((b, n, hq, d), device="meta")
@@ -678,7 +700,7 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperFo
                 PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *out_strides, *lse_strides,
                      hq, hq // hkv, d, qk_scale, *L, *K, *S, *nt)
-    return HopperForward(q_tile, kv_tile, (programs, b * hq), masked, starts, spans, row_offsets, scalars,
+    return HopperForward(q_tile, kv_tile, (programs, b * hq), masked, starts, spans, order, row_offsets, scalars,
                          meta, fixup_scalars, dict(fixup_meta(params, q_tile, d), STORE_LSE=need_lse),
                          launch.host_kv_layouts(params, q4, q4, box)[0],
                          launch.host_kv_layouts(params, k4, v4, kv_tile),
@@ -710,5 +732,5 @@ def run(fw: HopperForward, q4, k4, v4, out4, lse) -> None:
     flags = torch.empty(fw.programs * ROWS, dtype=torch.int8, device=q4.device)
     lse_arg = out4 if lse is None else lse
     na_fwd_hopper_kernel[fw.main_grid(q4.device)](q_desc, k_desc, v_desc, o_desc, lse_arg, flags, fw.starts, fw.spans,
-                                                  fw.row_offsets, *fw.scalars, **fw.meta)
+                                                  fw.order, fw.row_offsets, *fw.scalars, **fw.meta)
     na_fwd_nonfinite_kernel[fw.grid](q4, k4, v4, out4, lse_arg, flags, *fw.fixup_scalars, **fw.fixup_meta)

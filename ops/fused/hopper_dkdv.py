@@ -42,7 +42,7 @@ from ..window import NAParams
 
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
-    from .hopper import (_box_spans, _program, _register_operand, _rings, _wgmma_layout, fence_async_shared,
+    from .hopper import (_program, _register_operand, _rings, _tile_spans, _wgmma_layout, fence_async_shared,
                          mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 # Keys per program, a consumer warpgroup per 64.  64-key programs (one consumer, two programs per SM) reach fewer
@@ -240,7 +240,7 @@ if gluon is not None:
 
     @gluon.jit
     def na_bwd_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, FLAGS, QUERY_RANGES, SPANS,
-                                  KEY_OFFSETS, skb, skt, skh, svb, svt, svh, slb, slt, HKV, GROUP, qk_scale, scale,
+                                  ORDER, KEY_OFFSETS, skb, skt, skh, svb, svt, svh, slb, slt, HKV, GROUP, qk_scale, scale,
                                   L0, L1, L2, NU0, NU1, NU2, LMAX, NUMAX, half0, half1, half2,
                                   STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
         # k_desc / v_desc: K and V as [B, L0, L1, L2, heads * D] in boxes of 64 keys, one per consumer warpgroup
@@ -250,10 +250,10 @@ if gluon is not None:
         # in_hi, first key, -, -, -): the queries reaching the tile, those whose windows hold all of it, its first
         # key; KEY_OFFSETS[axis, row] = the row's offset from the tile's first key.  FLAGS[program, row] = 1 where the
         # key's dK or dV holds a NaN / inf.
-        program, b, hk = _program(HKV)
+        tile, program, b, hk = _program(HKV, ORDER)
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[4]
         (first0, first1, first2, ql0, ql1, ql2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-         n_tiles) = _box_spans(SPANS, NU1, NU2, NUMAX, q_desc)
+         n_tiles) = _tile_spans(SPANS, NU1, NU2, NUMAX, q_desc, tile)
 
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
@@ -315,6 +315,7 @@ class HopperDkDv:
     query_ranges: torch.Tensor  # [3, LMAX, 2] int32: the queries whose windows hold each key position, per axis
     #                              (an int8 stand-in where no query box needs a mask)
     spans: torch.Tensor  # [3, NUMAX, 8] int32: each key tile's reaching queries, its inner queries, its first key
+    order: torch.Tensor  # [key tiles] int32: the key tiles in the order the programs run them (``hopper.tile_order``)
     key_offsets: torch.Tensor  # [3, 128] int32: each row's offset from its key tile's first key per axis
     scalars: tuple  # the main kernel's, after its tensor arguments
     meta: dict
@@ -398,6 +399,7 @@ def plan(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
     lmax = ranges.shape[1]
     if every_box_inside(spans, q_tile):  # the kernel reads the mask switch off the table's type (``_consume_keys``)
         ranges = torch.zeros(1, dtype=torch.int8)
+    order = hopper.tile_order(nu, spans, q4.device)
     ranges, spans, key_offsets = (t.to(q4.device) for t in (ranges, spans, key_offsets))
     box, offset = hopper.half_box(kv_tile)
     lse_strides = (params.num_tokens * hq, hq)
@@ -411,7 +413,7 @@ def plan(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
     fixup_meta = dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
                       U0=kv_tile[0], U1=kv_tile[1], U2=kv_tile[2], BLOCK_D=d, IDX64=False,
                       SUB=launch.gather_rows(d, d), num_warps=4, num_stages=1)
-    return HopperDkDv((programs, b * hkv), ranges, spans, key_offsets, scalars, meta,
+    return HopperDkDv((programs, b * hkv), ranges, spans, order, key_offsets, scalars, meta,
                       fixup_scalars, fixup_meta, launch.host_kv_layouts(params, k4, v4, box),
                       launch.host_kv_layouts(params, q4, do4, q_tile))
 
@@ -425,7 +427,8 @@ def run(bw: HopperDkDv, q4, k4, v4, do4, lse, delta, dk, dv) -> None:
     do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
     flags = torch.empty(bw.programs * KEYS, dtype=torch.int8, device=q4.device)
     compiled = na_bwd_dkdv_hopper_kernel[bw.grid](k_desc, v_desc, q_desc, do_desc, dk, dv, lse, delta, flags,
-                                                  bw.query_ranges, bw.spans, bw.key_offsets, *bw.scalars, **bw.meta)
+                                                  bw.query_ranges, bw.spans, bw.order, bw.key_offsets, *bw.scalars,
+                                                  **bw.meta)
     # the consumers spill (``docs/fused.md``, "What holds dK/dV back"): L1 for their reloads
     carveout.fit_shared_memory(compiled, 1)
     na_bwd_dkdv_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dk, dv, flags, *bw.fixup_scalars,

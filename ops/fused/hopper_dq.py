@@ -32,8 +32,9 @@ from ..window import NAParams
 
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
-    from .hopper import (_await_turn, _box_spans, _consumer_rows, _load_halves, _load_kv, _mask_box, _pass_turn,
-                         _program, _register_operand, _rings, _turn_barriers, _wgmma_layout, fence_async_shared,
+    from .hopper import (_await_turn, _consumer_rows, _load_halves, _load_kv, _mask_box, _pass_turn,
+                         _program, _register_operand, _rings, _tile_spans, _turn_barriers, _wgmma_layout,
+                         fence_async_shared,
                          mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 STAGES = 2  # K/V stages in shared memory
@@ -114,7 +115,7 @@ if gluon is not None:
 
     @gluon.jit
     def na_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, O, DLSE, LSE, DELTA, DQ, FLAGS, STARTS, SPANS,
-                                ROW_OFFSETS, sob, sot, soh, sgb, sgt, sgh, slb, slt, HQ, GROUP, qk_scale, scale, L0, L1,
+                                ORDER, ROW_OFFSETS, sob, sot, soh, sgb, sgt, sgh, slb, slt, HQ, GROUP, qk_scale, scale, L0, L1,
                                 L2, NT0, NT1, NT2, LMAX, NTMAX, half0, half1, half2, has_dlse, mask,
                                 STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
         # q_desc / do_desc: Q and dO as [B, L0, L1, L2, heads * D] in boxes of half a query tile (``hopper.half_box``;
@@ -122,10 +123,10 @@ if gluon is not None:
         # STARTS / SPANS / ROW_OFFSETS: the forward's window tables (``hopper.window_tables``).  O: the forward's
         # output (strides sob, sot, soh); DQ: dQ (sgb, sgt, sgh); LSE, DELTA and DLSE share strides (slb, slt), and
         # DLSE is read where ``has_dlse``.  FLAGS[program, row] = 1 where the row's dQ holds a NaN / inf.
-        program, b, h = _program(HQ)
+        tile, program, b, h = _program(HQ, ORDER)
         BLOCK_D: gl.constexpr = k_desc.block_type.shape[4]
         (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-         n_tiles) = _box_spans(SPANS, NT1, NT2, NTMAX, k_desc)
+         n_tiles) = _tile_spans(SPANS, NT1, NT2, NTMAX, k_desc, tile)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
@@ -184,6 +185,7 @@ class HopperDq:
     grid: tuple
     starts: torch.Tensor  # the forward's window tables (``hopper.window_tables``)
     spans: torch.Tensor
+    order: torch.Tensor  # the query tiles in the order the programs run them (``hopper.tile_order``)
     row_offsets: torch.Tensor
     scalars: tuple  # the main kernel's, after its tensor arguments
     meta: dict
@@ -215,7 +217,7 @@ def plan(q4, k4, v4, do4, o4, params: NAParams, scale: float, dq) -> HopperDq:
     from . import launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
-    q_tile, kv_tile, masked, programs, nt, (starts, spans, row_offsets) = hopper.query_boxes(params, q4.device)
+    q_tile, kv_tile, masked, programs, nt, (starts, spans, row_offsets), order = hopper.query_boxes(params, q4.device)
     L, K, S, _, _ = launch._axes3(params)
     lse_strides = (params.num_tokens * hq, hq)
     box, offset = hopper.half_box(q_tile)
@@ -225,7 +227,7 @@ def plan(q4, k4, v4, do4, o4, params: NAParams, scale: float, dq) -> HopperDq:
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *launch._strides(do4),
                      *lse_strides, *launch._strides(dq), hq, hq // hkv, d, scale * kernels.LOG2E, scale, *L, *K, *S,
                      *nt)
-    return HopperDq((programs, b * hq), starts, spans, row_offsets, (*scalars, int(masked)), meta, fixup_scalars,
+    return HopperDq((programs, b * hq), starts, spans, order, row_offsets, (*scalars, int(masked)), meta, fixup_scalars,
                     hopper.fixup_meta(params, q_tile, d), launch.host_kv_layouts(params, q4, do4, box),
                     launch.host_kv_layouts(params, k4, v4, kv_tile))
 
@@ -240,5 +242,5 @@ def run(bw: HopperDq, q4, k4, v4, do4, o4, lse, dlse, delta, dq) -> None:
     flags = torch.empty(bw.programs * hopper.ROWS, dtype=torch.int8, device=q4.device)
     scalars = (*bw.scalars[:-1], int(dlse is not None), bw.scalars[-1])
     na_bwd_dq_hopper_kernel[bw.grid](q_desc, do_desc, k_desc, v_desc, o4, delta if dlse is None else dlse, lse,
-                                     delta, dq, flags, bw.starts, bw.spans, bw.row_offsets, *scalars, **bw.meta)
+                                     delta, dq, flags, bw.starts, bw.spans, bw.order, bw.row_offsets, *scalars, **bw.meta)
     na_bwd_dq_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dq, flags, *bw.fixup_scalars, **bw.fixup_meta)
