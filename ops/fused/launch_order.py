@@ -2,19 +2,18 @@
 
 A Hopper kernel's program fills an SM's shared memory, so about one program per SM runs at a time, and the hardware
 starts them in launch order (grid axis 0 first; a persistent program takes every ``programs``-th position). The
-tiles in flight at once are therefore a run of consecutive positions, and every box their spans cover is read by
-all of them within a short time: L2 serves those reads while the spans of one run fit in it. In row-major tile order
-a run of 132 3-D query tiles spans whole slabs of the key volume (3d-hunyuan-s16x8x8: every frame of one stride
-group's window, all rows and columns, 35 MB of K and V per head), which L2 does not hold, and the forward read 10.2
-GB from HBM for 2.1 GB of Q, K and V; 2d-flux-s16's run spans about half that and read 1.35 GB for 1.2.
+tiles in flight at once are therefore a run of consecutive positions, and the boxes their spans cover come from L2
+only while what the run reads fits in it. In row-major order a run of 3-D tiles spans every frame and row of the
+volume in its columns, which L2 does not hold, and the 3-D kernels read HBM several times over (``docs/fused.md``,
+"Launch order").
 
 ``block_order`` visits the tiles in blocks of ``(b0, b1, b2)`` tiles (blocks in row-major order, tiles inside a
 block in row-major order) and picks the block shape whose runs of ``at_once`` consecutive tiles have the smallest
-summed bounding box of their spans: tiles that share a window (a stride group) come together, and a run covers a
-compact part of the volume instead of a slab.
+summed bounding box of their spans, so that a run covers a compact part of the volume instead of a slab.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -45,30 +44,31 @@ def blocked(counts: tuple, block: tuple) -> torch.Tensor:
 def run_volume(order: torch.Tensor, counts: tuple, spans: torch.Tensor, at_once: int) -> int:
     """The summed bounding-box volume of the spans of each run of ``at_once`` consecutive tiles of ``order``;
     ``spans[axis, tile]`` = ``(lo, hi)`` of the tile on that axis (rows past ``counts`` unused)."""
-    coords = torch.stack([order // (counts[1] * counts[2]), (order // counts[2]) % counts[1], order % counts[2]])
-    pad = -len(order) % at_once
-    total = 0
-    extent = None
+    coords = (order // (counts[1] * counts[2]), (order // counts[2]) % counts[1], order % counts[2])
+    pad = -len(order) % at_once  # the last run, short, repeats its last tile
+    volume = torch.ones(-(-len(order) // at_once), dtype=torch.int64)
     for axis in range(3):
-        lo = spans[axis, coords[axis], 0]
-        hi = spans[axis, coords[axis], 1]
-        lo = torch.cat([lo, lo[-1:].expand(pad)]).view(-1, at_once).amin(1)
-        hi = torch.cat([hi, hi[-1:].expand(pad)]).view(-1, at_once).amax(1)
-        side = (hi - lo).clamp(min=0).to(torch.int64)
-        extent = side if extent is None else extent * side
-    total = int(extent.sum())
-    return total
+        lo, hi = (torch.cat([x, x[-1:].expand(pad)]).view(-1, at_once) for x in spans[axis, coords[axis]].unbind(-1))
+        volume *= (hi.amax(1) - lo.amin(1)).clamp(min=0)
+    return int(volume.sum())
 
 
 def block_order(counts: tuple, spans: torch.Tensor, at_once: int) -> torch.Tensor:
     """The launch order (``blocked``) of a grid of ``counts`` tiles (per axis, leading dummy axes 1) whose block shape
     has the smallest ``run_volume``; row-major order (one block of the whole grid) wins ties."""
     spans = spans[..., :2].cpu()
-    best = blocked(counts, counts)
-    best_volume = run_volume(best, counts, spans, at_once)
+    block = _best_block(tuple(counts), tuple(spans.flatten().tolist()), tuple(spans.shape), at_once)
+    return blocked(counts, block).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _best_block(counts: tuple, flat_spans: tuple, shape: tuple, at_once: int) -> tuple:
+    """``block_order``'s block shape (cached: the forward, dQ and dK/dV plans of a problem ask for the same search,
+    which tries about a hundred shapes on a 3-D grid)."""
+    spans = torch.tensor(flat_spans, dtype=torch.int64).view(shape)
+    best, best_volume = counts, run_volume(blocked(counts, counts), counts, spans, at_once)
     for block in itertools.product(*(_candidates(n) for n in counts)):
-        order = blocked(counts, block)
-        volume = run_volume(order, counts, spans, at_once)
+        volume = run_volume(blocked(counts, block), counts, spans, at_once)
         if volume < best_volume:
-            best, best_volume = order, volume
-    return best.to(torch.int32)
+            best, best_volume = block, volume
+    return best
