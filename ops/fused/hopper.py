@@ -72,6 +72,10 @@ PERSISTENT_MASKED = False
 # Tiles run in ``launch_order``'s blocks, so that the programs running at once read K and V boxes that fit in L2
 # together (off: row-major, the last axis fastest).
 ORDERED = True
+# The block shape is chosen for runs of the programs in flight over the L2 partitions (an H100's L2 is two): runs of
+# half the SMs ranked the block shapes as their HBM traffic did where runs of all of them did not (``docs/fused.md``,
+# "Launch order").
+L2_PARTITIONS = 2
 H100_MULTIPROCESSORS = 132  # programs at once for launch orders planned without a GPU (tests)
 
 
@@ -643,9 +647,10 @@ def window_tables(params: NAParams, q_tile, device) -> tuple[torch.Tensor, torch
 
 def tile_order(counts: tuple, spans: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The order a launch runs a grid of ``counts`` tiles in (per axis, leading dummy axes 1), as an int32 table on
-    ``device``: ``launch_order.block_order`` over the tiles' spans (``spans[axis, tile, :2]``) for the programs that
-    run at once (one per SM), or row-major where ``ORDERED`` is off."""
-    at_once = _multiprocessors(device) if device.type == "cuda" else H100_MULTIPROCESSORS
+    ``device``: ``launch_order.block_order`` over the tiles' spans (``spans[axis, tile, :2]``) for runs of one L2
+    partition's share of the programs in flight (one per SM), or row-major where ``ORDERED`` is off."""
+    programs = _multiprocessors(device) if device.type == "cuda" else H100_MULTIPROCESSORS
+    at_once = max(1, programs // L2_PARTITIONS)
     if ORDERED:
         order = launch_order.block_order(counts, spans, at_once)
     else:

@@ -20,8 +20,8 @@ import torch
 
 
 def _candidates(n: int) -> list[int]:
-    """Block sides tried on an axis of ``n`` tiles: powers of two below ``n``, and ``n``."""
-    sides = {n}
+    """Block sides tried on an axis of ``n`` tiles: powers of two below ``n``, the divisors of ``n``, and ``n``."""
+    sides = {d for d in range(1, n + 1) if n % d == 0}
     side = 1
     while side < n:
         sides.add(side)
