@@ -412,8 +412,7 @@ if gluon is not None:
     @gluon.jit
     def _consume(q_smem, o_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns, k_desc,
                  o_desc, LSE, FLAGS, STARTS, SPANS, ORDER, ROW_OFFSETS, TILES, NT1, NT2, NTMAX, HQ, work, half0, half1,
-                 half2,
-                 slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, half):
+                 half2, slb, slt, qk_scale, L0, L1, L2, LMAX, store_lse, mask, half):
         """Consumer of a persistent program: its half of every work item's query tile (``_attend``), then their
         output, whose bulk copy runs on under the next work item (only the next item's output waits for it)."""
         block_d: gl.constexpr = k_smem.type.shape[5]

@@ -240,8 +240,8 @@ if gluon is not None:
 
     @gluon.jit
     def na_bwd_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, FLAGS, QUERY_RANGES, SPANS,
-                                  ORDER, KEY_OFFSETS, skb, skt, skh, svb, svt, svh, slb, slt, HKV, GROUP, qk_scale, scale,
-                                  L0, L1, L2, NU0, NU1, NU2, LMAX, NUMAX, half0, half1, half2,
+                                  ORDER, KEY_OFFSETS, skb, skt, skh, svb, svt, svh, slb, slt, HKV, GROUP, qk_scale,
+                                  scale, L0, L1, L2, NU0, NU1, NU2, LMAX, NUMAX, half0, half1, half2,
                                   STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
         # k_desc / v_desc: K and V as [B, L0, L1, L2, heads * D] in boxes of 64 keys, one per consumer warpgroup
         # (halves of the key tile, ``hopper.half_box``; ``half*``: the second half's offset per axis); q_desc /

@@ -32,9 +32,8 @@ from ..window import NAParams
 
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
-    from .hopper import (_await_turn, _consumer_rows, _load_halves, _load_kv, _mask_box, _pass_turn,
-                         _program, _register_operand, _rings, _tile_spans, _turn_barriers, _wgmma_layout,
-                         fence_async_shared,
+    from .hopper import (_await_turn, _consumer_rows, _load_halves, _load_kv, _mask_box, _pass_turn, _program,
+                         _register_operand, _rings, _tile_spans, _turn_barriers, _wgmma_layout, fence_async_shared,
                          mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 STAGES = 2  # K/V stages in shared memory
@@ -115,8 +114,8 @@ if gluon is not None:
 
     @gluon.jit
     def na_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, O, DLSE, LSE, DELTA, DQ, FLAGS, STARTS, SPANS,
-                                ORDER, ROW_OFFSETS, sob, sot, soh, sgb, sgt, sgh, slb, slt, HQ, GROUP, qk_scale, scale, L0, L1,
-                                L2, NT0, NT1, NT2, LMAX, NTMAX, half0, half1, half2, has_dlse, mask,
+                                ORDER, ROW_OFFSETS, sob, sot, soh, sgb, sgt, sgh, slb, slt, HQ, GROUP, qk_scale, scale,
+                                L0, L1, L2, NT0, NT1, NT2, LMAX, NTMAX, half0, half1, half2, has_dlse, mask,
                                 STAGES_: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
         # q_desc / do_desc: Q and dO as [B, L0, L1, L2, heads * D] in boxes of half a query tile (``hopper.half_box``;
         # ``half*``: the second half's offset per axis); k_desc / v_desc: K and V in (1, U0, U1, U2, D) boxes.
@@ -242,5 +241,6 @@ def run(bw: HopperDq, q4, k4, v4, do4, o4, lse, dlse, delta, dq) -> None:
     flags = torch.empty(bw.programs * hopper.ROWS, dtype=torch.int8, device=q4.device)
     scalars = (*bw.scalars[:-1], int(dlse is not None), bw.scalars[-1])
     na_bwd_dq_hopper_kernel[bw.grid](q_desc, do_desc, k_desc, v_desc, o4, delta if dlse is None else dlse, lse,
-                                     delta, dq, flags, bw.starts, bw.spans, bw.order, bw.row_offsets, *scalars, **bw.meta)
+                                     delta, dq, flags, bw.starts, bw.spans, bw.order, bw.row_offsets, *scalars,
+                                     **bw.meta)
     na_bwd_dq_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dq, flags, *bw.fixup_scalars, **bw.fixup_meta)
