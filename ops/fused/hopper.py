@@ -638,10 +638,15 @@ def window_tables(params: NAParams, q_tile, device) -> tuple[torch.Tensor, torch
             first, last = tile * t, min(tile * t + t, ax.Lg) - 1
             spans[a, tile, :5] = torch.tensor([start[first], stop[last], start[last], stop[first], first],
                                               dtype=torch.int32)
-    rows = torch.arange(math.prod(q_tile))
-    t0, t1, t2 = q_tile
-    row_offsets = torch.stack([rows // (t1 * t2), (rows // t2) % t1, rows % t2]).to(torch.int32)
-    return starts.to(device), spans.to(device), row_offsets.to(device)
+    return starts.to(device), spans.to(device), tile_row_offsets(q_tile, math.prod(q_tile)).to(device)
+
+
+def tile_row_offsets(tile, rows: int) -> torch.Tensor:
+    """``[3, rows]`` int32: the offset of each of a tile's first ``rows`` rows (row-major) from its first position,
+    per axis (the forward's and dQ's ``ROW_OFFSETS``, dK/dV's ``KEY_OFFSETS``)."""
+    r = torch.arange(rows)
+    _, t1, t2 = tile
+    return torch.stack([r // (t1 * t2), (r // t2) % t1, r % t2]).to(torch.int32)
 
 
 def tile_order(counts: tuple, spans: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -379,10 +379,7 @@ def inverse_tables(params: NAParams, kv_tile) -> tuple[torch.Tensor, torch.Tenso
             first, last = tile * u, min(tile * u + u, ax.Lg) - 1
             spans[a, tile, :5] = torch.tensor([lo[first], hi[last], lo[last], max(hi[first], lo[last]), first],
                                               dtype=torch.int32)
-    rows = torch.arange(KEYS)
-    u0, u1, u2 = kv_tile
-    key_offsets = torch.stack([rows // (u1 * u2), (rows // u2) % u1, rows % u2]).to(torch.int32)
-    return ranges, spans, key_offsets
+    return ranges, spans, hopper.tile_row_offsets(kv_tile, KEYS)
 
 
 def plan(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
