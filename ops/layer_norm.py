@@ -17,12 +17,13 @@ of the partials), a few times torch's own per-call CPU time; it pays where the G
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from .devices import multiprocessors
 
 try:
     import triton
@@ -165,18 +166,13 @@ def _num_warps(tile_elements: int, block_c: int) -> int:
     return min(8, max(2, tile_elements // 1024, block_c // 512))
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _backward_programs(n_blocks: int, device: torch.device, max_programs: int | None) -> tuple[int, int]:
     """``(programs, blocks_per_program)``: enough programs to fill the GPU, few enough that the partial
     sums stay small next to the rows."""
     if max_programs is None:
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            max_programs = BACKWARD_PROGRAMS_PER_SM * _multiprocessors(index)
+            max_programs = BACKWARD_PROGRAMS_PER_SM * multiprocessors(index)
         else:
             max_programs = 8
     blocks_per_program = triton.cdiv(n_blocks, max(1, min(n_blocks, max_programs)))

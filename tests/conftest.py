@@ -27,6 +27,16 @@ def poison_torch_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned_empty)
 
 
+@pytest.fixture
+def h100_sms_without_a_gpu(monkeypatch):
+    """Hopper plans built on the CPU order their tiles for an H100's 132 SMs; on a GPU the device's own count holds."""
+    from ops.fused import hopper
+
+    real = hopper.multiprocessors
+    monkeypatch.setattr(hopper, "multiprocessors",
+                        lambda device: real(device) if torch.device(device).type == "cuda" else 132)
+
+
 SLOW_TESTS = frozenset(
     line.strip() for line in open(os.path.join(os.path.dirname(__file__), "slow_tests.txt"), encoding="utf-8")
     if line.strip() and not line.startswith("#"))

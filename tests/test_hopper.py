@@ -27,6 +27,7 @@ from tests.oracle import RandomProblem, dense_mask_and_bias_index, oracle_attent
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("h100_sms_without_a_gpu")
 
 
 def _params(spatial, kernel, stride=None, causal=None):
@@ -56,7 +57,7 @@ def test_mask_only_where_some_tile_is_partial():
 def test_one_program_per_sm_only_without_masks(monkeypatch):
     """Mask-free launches (every tile's loop as long) run one program per SM over all work items; masked ones one
     program per work item, which the hardware hands out as SMs free up."""
-    monkeypatch.setattr(hopper, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(hopper, "multiprocessors", lambda device: 132)
     strided, unstrided = _plan((256, 256), (80, 80), (16, 16), heads=24), _plan((256, 256), (80, 80), heads=24)
     assert strided.programs == unstrided.programs == 512 * 24
     assert strided.persistent and strided.main_grid(torch.device("cpu")) == (132,)
@@ -328,7 +329,7 @@ def test_gpu_forward_programs_run_many_work_items(poisoned, tile_orders, monkeyp
     """With 3 programs every program runs many query tiles one after another (the rings, turns and Q / output buffers
     carried from tile to tile, masked tiles of different loop lengths too); the result still matches the oracle."""
     monkeypatch.setattr(hopper, "PERSISTENT_MASKED", True)
-    monkeypatch.setattr(hopper, "_multiprocessors", lambda device: 3)
+    monkeypatch.setattr(hopper, "multiprocessors", lambda device: 3)
     p = _problem(name, dim)
     (q, k, v), out, lse = _attend(p, torch.bfloat16, seed=11)
     plan = next(iter(launch._FORWARD.values())).hopper

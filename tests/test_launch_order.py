@@ -7,6 +7,8 @@ import torch
 from ops.fused import hopper, launch_order
 from ops.window import NAParams
 
+pytestmark = pytest.mark.usefixtures("h100_sms_without_a_gpu")
+
 
 def _params(spatial, kernel, stride):
     rank = len(spatial)

@@ -32,7 +32,6 @@ kernel; ``NAMODELS_HOPPER=0`` (or ``disabled()``) forces it, for ``hopper_dq`` a
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ import triton.language as tl
 
 from . import kernels, launch_order, tiles
 from .kernels import _attend_by_offset, _program_group
+from ..devices import multiprocessors
 from ..window import NAParams
 
 try:  # Gluon (Triton's explicit-layout dialect) exists from Triton 3.5 on
@@ -76,7 +76,6 @@ ORDERED = True
 # half the SMs ranked the block shapes as their HBM traffic did where runs of all of them did not (``docs/fused.md``,
 # "Launch order").
 L2_PARTITIONS = 2
-H100_MULTIPROCESSORS = 132  # programs at once for launch orders planned without a GPU (tests)
 
 
 @contextlib.contextmanager
@@ -575,12 +574,7 @@ class HopperForward:
 
     def main_grid(self, device: torch.device) -> tuple:
         """The main kernel's programs: one per SM (its shared memory takes an SM) or one per work item."""
-        return (min(self.programs, _multiprocessors(device)),) if self.persistent else self.grid
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        return (min(self.programs, multiprocessors(device)),) if self.persistent else self.grid
 
 
 def sm90(device: torch.device) -> bool:
@@ -653,8 +647,7 @@ def tile_order(counts: tuple, spans: torch.Tensor, device: torch.device) -> torc
     """The order a launch runs a grid of ``counts`` tiles in (per axis, leading dummy axes 1), as an int32 table on
     ``device``: ``launch_order.block_order`` over the tiles' spans (``spans[axis, tile, :2]``) for runs of one L2
     partition's share of the programs in flight (one per SM), or row-major where ``ORDERED`` is off."""
-    programs = _multiprocessors(device) if device.type == "cuda" else H100_MULTIPROCESSORS
-    at_once = max(1, programs // L2_PARTITIONS)
+    at_once = max(1, multiprocessors(device) // L2_PARTITIONS)
     if ORDERED:
         order = launch_order.block_order(counts, spans, at_once)
     else:
@@ -676,8 +669,10 @@ def query_boxes(params: NAParams, device) -> tuple:
     q_tile, kv_tile = (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile)
     window, programs = launch._window_args(params, q_tile)
     nt = tuple(window[12:15])
-    tables = window_tables(params, q_tile, device)
-    return q_tile, kv_tile, masked, programs, nt, tables, tile_order(nt, tables[1], torch.device(device))
+    tables = window_tables(params, q_tile, "cpu")  # the order is searched on the host spans, then both move
+    device = torch.device(device)
+    order = tile_order(nt, tables[1], device)
+    return q_tile, kv_tile, masked, programs, nt, tuple(t.to(device) for t in tables), order
 
 
 def fixup_meta(params: NAParams, q_tile, d: int) -> dict:
