@@ -50,6 +50,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# ``-n auto`` (pyproject's addopts) runs one worker per core up to this many: on a many-core GPU host every worker of
+# a ``-m gpu`` run holds a CUDA context on the same device
+MAX_WORKERS = 8
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
 def pytest_sessionfinish(session, exitstatus):
     # pytest exits 5 when nothing was collected; make sure CI can never pass on an empty selection.
     if exitstatus == 0 and session.testscollected == 0:
