@@ -36,8 +36,8 @@ def _params(spatial, kernel, stride=None, causal=None):
                     tuple(causal or (False,) * rank))
 
 
-def _plan(spatial, kernel, stride=None, heads=2, dim=128, batch=1):
-    params = _params(spatial, kernel, stride)
+def _plan(spatial, kernel, stride=None, heads=2, dim=128, batch=1, causal=None):
+    params = _params(spatial, kernel, stride, causal)
     q4 = torch.zeros(batch, params.num_tokens, heads, dim, dtype=torch.bfloat16)
     return hopper.plan(q4, q4, q4, params, dim**-0.5, True)
 
@@ -54,9 +54,10 @@ def test_mask_only_where_some_tile_is_partial():
     assert fw.kv_tile[0] * fw.kv_tile[1] * fw.kv_tile[2] == hopper.COLS
 
 
-def test_one_program_per_sm_only_without_masks(monkeypatch):
-    """Mask-free launches (every tile's loop as long) run one program per SM over all work items; masked ones one
-    program per work item, which the hardware hands out as SMs free up."""
+def test_one_program_per_sm_without_masks_or_in_1d(monkeypatch):
+    """Mask-free launches (every tile's loop as long) and masked 1-D ones without causal axes (loops as long but at
+    the ends) run one program per SM over all work items; other masked ones one program per work item, which the
+    hardware hands out as SMs free up."""
     monkeypatch.setattr(hopper, "multiprocessors", lambda device: 132)
     strided, unstrided = _plan((256, 256), (80, 80), (16, 16), heads=24), _plan((256, 256), (80, 80), heads=24)
     assert strided.programs == unstrided.programs == 512 * 24
@@ -65,6 +66,11 @@ def test_one_program_per_sm_only_without_masks(monkeypatch):
     assert strided.meta["PERSISTENT_"] and not unstrided.meta["PERSISTENT_"]
     small = _plan((64, 64), (32, 32), (16, 16))
     assert small.main_grid(torch.device("cpu")) == (small.programs,) and small.programs < 132
+    line, causal_line = _plan((32768,), (2048,), heads=16), _plan((32768,), (2048,), heads=16, causal=(True,))
+    assert line.masked and line.persistent and line.main_grid(torch.device("cpu")) == (132,)
+    assert causal_line.masked and not causal_line.persistent
+    monkeypatch.setattr(hopper, "PERSISTENT_MASKED_RANKS", ())
+    assert not _plan((32768,), (2048,), heads=16).persistent
 
 
 @pytest.mark.parametrize("spatial, kernel, stride, causal", [
@@ -271,6 +277,7 @@ TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 CASES = {
     # (spatial, kernel, stride, causal, heads, heads_kv)
+    "1d": ((3000,), (1025,), (1,), (False,), 2, 2),
     "1d-causal-gqa": ((2000,), (1025,), (1,), (True,), 4, 2),
     "1d-strided": ((4096,), (1024,), (256,), (False,), 2, 2),
     "2d": ((48, 40), (33, 33), (1, 1), (False, False), 2, 1),
@@ -308,7 +315,7 @@ def _rel_err(got, ref):
 
 # every problem once, each dtype and head dim on masked and mask-free launches
 @pytest.mark.parametrize("name, dtype, dim", [
-    ("1d-causal-gqa", torch.bfloat16, 128), ("1d-strided", torch.float16, 64),
+    ("1d", torch.float16, 128), ("1d-causal-gqa", torch.bfloat16, 128), ("1d-strided", torch.float16, 64),
     ("2d", torch.bfloat16, 128), ("2d-causal-gqa", torch.float16, 64), ("2d-strided", torch.bfloat16, 64),
     ("2d-strided", torch.float16, 128), ("3d-causal", torch.bfloat16, 128), ("3d-causal", torch.float16, 64),
     ("3d-strided-padded", torch.bfloat16, 64)])
@@ -323,7 +330,7 @@ def test_gpu_forward_matches_oracle(poisoned, name, dtype, dim):
     assert _rel_err(lse, ref_lse) < TOL[dtype]
 
 
-@pytest.mark.parametrize("name, dim", [("3d-causal", 128), ("2d-strided", 64), ("1d-causal-gqa", 128)])
+@pytest.mark.parametrize("name, dim", [("3d-causal", 128), ("2d-strided", 64), ("1d-causal-gqa", 128), ("1d", 64)])
 @gpu
 def test_gpu_forward_programs_run_many_work_items(poisoned, tile_orders, monkeypatch, name, dim):
     """With 3 programs every program runs many query tiles one after another (the rings, turns and Q / output buffers

@@ -9,7 +9,7 @@ the next box's softmax runs while the value matmul is still on the tensor cores 
 consumers issue their matmuls in turns, so one's softmax overlaps the other's matmuls, and each writes its output
 rows with one bulk copy from shared memory.  Where no key box needs a mask, every tile loops over as many boxes and
 the launch is persistent: one program per SM runs query boxes in turn, the producer loading the next box's rows
-while the consumers finish the last one (``PERSISTENT_MASKED``).  The portable kernel (``kernels.na_fwd_kernel``)
+while the consumers finish the last one (``PERSISTENT_MASKED``; masked 1-D launches too, ``PERSISTENT_MASKED_RANKS``).  The portable kernel (``kernels.na_fwd_kernel``)
 runs all of it in one warpgroup, and its softmax waits for its own matmuls.
 
 The window rules stay on the host (``window_tables``, from ``ops.window``): per axis, each position's window
@@ -69,6 +69,10 @@ PRODUCER_REGS = 40  # the producer also walks the work items and their spans: on
 # same time stop sharing L2 (3d-hunyuan's forward ran 12-18% longer), and one program per tile, which the hardware
 # hands to each SM as it frees up, runs instead.
 PERSISTENT_MASKED = False
+# Except on these ranks, without causal axes: a 1-D tile's loop is as long as any other's but at the axis' ends
+# (1d-32k: 16 or 17 key boxes), and programs that short gain most from the next item's query tile loading while the
+# last one finishes (``docs/fused.md``, "The Hopper forward").
+PERSISTENT_MASKED_RANKS = (1,)
 # Tiles run in ``launch_order``'s blocks, so that the programs running at once read K and V boxes that fit in L2
 # together (off: row-major, the last axis fastest).
 ORDERED = True
@@ -568,8 +572,8 @@ class HopperForward:
 
     @property
     def persistent(self) -> bool:
-        """Whether the main kernel runs one program per SM over all work items (``PERSISTENT_MASKED``; decided by
-        ``plan`` for the kernel's ``PERSISTENT_``)."""
+        """Whether the main kernel runs one program per SM over all work items (``PERSISTENT_MASKED``,
+        ``PERSISTENT_MASKED_RANKS``; decided by ``plan`` for the kernel's ``PERSISTENT_``)."""
         return self.meta["PERSISTENT_"]
 
     def main_grid(self, device: torch.device) -> tuple:
@@ -700,7 +704,9 @@ def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperFo
     box, offset = half_box(q_tile)
     scalars = (*lse_strides, hq, hq // hkv, qk_scale, *L, *nt, starts.shape[1], spans.shape[1],
                *offset, int(need_lse), int(masked), programs * b * hq)
-    meta = dict(PERSISTENT_=not masked or PERSISTENT_MASKED, STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS,
+    persistent = (not masked or PERSISTENT_MASKED
+                  or (params.rank in PERSISTENT_MASKED_RANKS and not any(params.is_causal)))
+    meta = dict(PERSISTENT_=persistent, STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS,
                 PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *out_strides, *lse_strides,
                      hq, hq // hkv, d, qk_scale, *L, *K, *S, *nt)
