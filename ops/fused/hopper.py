@@ -9,8 +9,9 @@ the next box's softmax runs while the value matmul is still on the tensor cores 
 consumers issue their matmuls in turns, so one's softmax overlaps the other's matmuls, and each writes its output
 rows with one bulk copy from shared memory.  Where no key box needs a mask, every tile loops over as many boxes and
 the launch is persistent: one program per SM runs query boxes in turn, the producer loading the next box's rows
-while the consumers finish the last one (``PERSISTENT_MASKED``; masked 1-D launches too, ``PERSISTENT_MASKED_RANKS``).  The portable kernel (``kernels.na_fwd_kernel``)
-runs all of it in one warpgroup, and its softmax waits for its own matmuls.
+while the consumers finish the last one (``PERSISTENT_MASKED``; masked 1-D launches too,
+``PERSISTENT_MASKED_RANKS``).  The portable kernel (``kernels.na_fwd_kernel``) runs all of it in one warpgroup, and
+its softmax waits for its own matmuls.
 
 The window rules stay on the host (``window_tables``, from ``ops.window``): per axis, each position's window
 ``[start, stop)``; each query tile's key span ``[lo, hi)``, the part ``[in_lo, in_hi)`` inside every row's window
