@@ -447,7 +447,8 @@ def test_every_box_inside_matches_the_windows(name):
     params = _params(p.spatial, p.kernel_size, p.stride, p.causal)
     pad = (1,) * (3 - params.rank)
     for keys in (hopper_dkdv.KEYS, 64):
-        kv_tile, q_tile = hopper.tiles.choose_tiles(hopper.tiles.axes_of(params), keys, hopper_dkdv.QUERIES, inverse=True)
+        kv_tile, q_tile = hopper.tiles.choose_tiles(hopper.tiles.axes_of(params), keys, hopper_dkdv.QUERIES,
+                                                    inverse=True)
         kv_tile, q_tile = pad + tuple(kv_tile), pad + tuple(q_tile)
         spans = hopper_dkdv.inverse_tables(params, kv_tile)[1]
         assert hopper_dkdv.every_box_inside(spans, q_tile) == _boxes_inside_by_brute_force(params, kv_tile, q_tile)
