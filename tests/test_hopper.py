@@ -82,7 +82,7 @@ def test_window_tables_follow_the_window_rules(spatial, kernel, stride, causal):
     params = _params(spatial, kernel, stride, causal)
     q_tile = (1,) * (3 - len(spatial)) + tuple(min(8, L) for L in spatial[:-1]) + (128 // math.prod(
         min(8, L) for L in spatial[:-1]),)
-    starts, spans, rows = hopper.window_tables(params, q_tile, "cpu")
+    starts, spans, rows = hopper.window_tables(params, q_tile)
     axes = [(1, 1, 1, False)] * (3 - len(spatial)) + list(zip(spatial, kernel, stride, causal))
     for a, ((L, K, s, c), t) in enumerate(zip(axes, q_tile)):
         windows = [tuple(int(x) for x in axis_window(i, L, K, s, 1, c)[2:]) for i in range(L)]

@@ -621,10 +621,10 @@ def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float, ranks: tuple = 
     return None
 
 
-def window_tables(params: NAParams, q_tile, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(starts, spans, row_offsets)``: per axis (leading dummy axes first), every position's window ``[start,
-    stop)``; every query tile's key span ``[lo, hi)``, the part ``[in_lo, in_hi)`` inside all its rows' windows and
-    its first query (padded to 8 fields); and each of a tile's rows' offsets from that first query."""
+def window_tables(params: NAParams, q_tile) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(starts, spans, row_offsets)``, on the host: per axis (leading dummy axes first), every position's window
+    ``[start, stop)``; every query tile's key span ``[lo, hi)``, the part ``[in_lo, in_hi)`` inside all its rows'
+    windows and its first query (padded to 8 fields); and each of a tile's rows' offsets from that first query."""
     axes = [tiles.Axis(1, 1, 1)] * (3 - params.rank) + tiles.axes_of(params)
     lmax = max(ax.Lg for ax in axes)
     ntmax = max(-(-ax.Lg // t) for ax, t in zip(axes, q_tile))
@@ -637,7 +637,7 @@ def window_tables(params: NAParams, q_tile, device) -> tuple[torch.Tensor, torch
             first, last = tile * t, min(tile * t + t, ax.Lg) - 1
             spans[a, tile, :5] = torch.tensor([start[first], stop[last], start[last], stop[first], first],
                                               dtype=torch.int32)
-    return starts.to(device), spans.to(device), tile_row_offsets(q_tile, math.prod(q_tile)).to(device)
+    return starts, spans, tile_row_offsets(q_tile, math.prod(q_tile))
 
 
 def tile_row_offsets(tile, rows: int) -> torch.Tensor:
@@ -674,7 +674,7 @@ def query_boxes(params: NAParams, device) -> tuple:
     q_tile, kv_tile = (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile)
     window, programs = launch._window_args(params, q_tile)
     nt = tuple(window[12:15])
-    tables = window_tables(params, q_tile, "cpu")  # the order is searched on the host spans, then both move
+    tables = window_tables(params, q_tile)  # on the host: the order is searched on their spans, then they move
     device = torch.device(device)
     order = tile_order(nt, tables[1], device)
     return q_tile, kv_tile, masked, programs, nt, tuple(t.to(device) for t in tables), order
