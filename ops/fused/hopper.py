@@ -252,15 +252,10 @@ if gluon is not None:
         return gl.where((kj[None, :] >= start[:, None]) & (kj[None, :] < stop[:, None]), s, float("-inf"))
 
     @gluon.jit
-    def _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1,
-                  stop1, start2, stop2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
-        """The scores of loop step ``t`` with -inf outside each row's window, tested only on the axes where its key
-        box does not lie inside every row's window (never on a problem's leading dummy axes)."""
-        i0 = t // n12
-        i1 = (t - i0 * n12) // n2
-        k0 = lo0 + i0 * U0
-        k1 = lo1 + i1 * U1
-        k2 = lo2 + (t - i0 * n12 - i1 * n2) * U2
+    def _mask_box(s, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1, start2,
+                  stop2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
+        """The scores of the key box at ``(k0, k1, k2)`` with -inf outside each row's window, tested only on the axes
+        where the box does not lie inside every row's window (never on a problem's leading dummy axes)."""
         c = gl.arange(0, U0 * U1 * U2, layout=gl.SliceLayout(0, s.type.layout))  # the box's keys, row-major
         if (k0 < in_lo0) | (k0 + U0 > in_hi0):
             s = _mask_axis(s, k0 + c // (U1 * U2), start0, stop0)
@@ -269,6 +264,31 @@ if gluon is not None:
         if (k2 < in_lo2) | (k2 + U2 > in_hi2):
             s = _mask_axis(s, k2 + c % U2, start2, stop2)
         return s
+
+    @gluon.jit
+    def _step_box(t, n12, n2, lo0, lo1, lo2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
+        """The first key of loop step ``t``'s box, decoded from the step index (``_next_key_box`` steps it instead)."""
+        i0 = t // n12
+        i1 = (t - i0 * n12) // n2
+        return lo0 + i0 * U0, lo1 + i1 * U1, lo2 + (t - i0 * n12 - i1 * n2) * U2
+
+    @gluon.jit
+    def _box_ends(lo1, lo2, n12, n2, U1: gl.constexpr, U2: gl.constexpr):
+        """Where a tile's key boxes wrap on axes 1 and 2 (``_next_key_box``): one past the last box's first key."""
+        return lo1 + n12 // gl.maximum(n2, 1) * U1, lo2 + n2 * U2
+
+    @gluon.jit
+    def _next_key_box(k0, k1, k2, lo1, lo2, end1, end2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
+        """The first key of the loop's next box after ``(k0, k1, k2)``, in the producer's order (the last axis
+        fastest), stepped with carries and without branches: decoding the step's index took two integer divisions
+        by runtime values on the path from the score matmul to the softmax of every masked step."""
+        k2 += U2
+        wrap2 = (k2 == end2).to(gl.int32)
+        k2 -= wrap2 * (end2 - lo2)
+        k1 += wrap2 * U1
+        wrap1 = (k1 == end1).to(gl.int32)
+        k1 -= wrap1 * (end1 - lo1)
+        return k0 + wrap1 * U0, k1, k2
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale):
@@ -325,6 +345,10 @@ if gluon is not None:
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+        end1, end2 = _box_ends(lo1, lo2, n12, n2, U1, U2)
+        k0 = lo0  # the first key of the box whose scores are next
+        k1 = lo1
+        k2 = lo2
         m_i = gl.full([h_rows], float("-inf"), gl.float32, layout=s_rows)
         l_i = gl.zeros([h_rows], gl.float32, layout=s_rows)
         acc = gl.zeros([h_rows, block_d], gl.float32, layout=o_layout)
@@ -335,13 +359,14 @@ if gluon is not None:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(done % stages), count=1)
         if mask:
-            s = _mask_box(s, 0, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                          start0, stop0, start1, stop1, start2, stop2, U0, U1, U2)
+            s = _mask_box(s, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1, stop1,
+                          start2, stop2, U0, U1, U2)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p = gl.convert_layout(p.to(dtype), p_layout)
         for t in range(n_tiles - 1):
             box = done + t  # the ring position of the box whose values go in now; its successor's scores
             nxt = box + 1
+            k0, k1, k2 = _next_key_box(k0, k1, k2, lo1, lo2, end1, end2, U0, U1, U2)
             mbarrier.wait(k_ready.index(nxt % stages), (nxt // stages) & 1)
             mbarrier.wait(v_ready.index(box % stages), (box // stages) & 1)
             _await_turn(turns, half, turns_done + t + 1)
@@ -351,8 +376,8 @@ if gluon is not None:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
             mbarrier.arrive(k_empty.index(nxt % stages), count=1)
             if mask:
-                s = _mask_box(s, t + 1, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                              start0, stop0, start1, stop1, start2, stop2, U0, U1, U2)
+                s = _mask_box(s, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1,
+                              stop1, start2, stop2, U0, U1, U2)
             p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = _wait_after_softmax(acc, p_next, qk_scale > 0.0)
             mbarrier.arrive(v_empty.index(box % stages), count=1)

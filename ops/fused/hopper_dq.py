@@ -33,8 +33,8 @@ from ..window import NAParams
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
     from .hopper import (_await_turn, _consumer_rows, _load_halves, _load_kv, _mask_box, _pass_turn, _program,
-                         _register_operand, _rings, _tile_spans, _turn_barriers, _wgmma_layout, fence_async_shared,
-                         mbarrier, warpgroup_mma, warpgroup_mma_wait)
+                         _register_operand, _rings, _step_box, _tile_spans, _turn_barriers, _wgmma_layout,
+                         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 STAGES = 2  # K/V stages in shared memory
 CONSUMER_REGS = 240  # S, dP and the dQ accumulator: 192 of a consumer thread's registers at head dim 128
@@ -97,9 +97,10 @@ if gluon is not None:
             _pass_turn(turns, half)
             s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
             mbarrier.arrive(v_empty.index(stage), count=1)
-            if mask:
-                s = _mask_box(s, t, n12, n2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2,
-                              start0, stop0, start1, stop1, start2, stop2, U0, U1, U2)
+            if mask:  # the box decoded from t: carried coordinates, as the forward steps them, ran 1-4.5% slower here
+                k0, k1, k2 = _step_box(t, n12, n2, lo0, lo1, lo2, U0, U1, U2)
+                s = _mask_box(s, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1,
+                              stop1, start2, stop2, U0, U1, U2)
             p = gl.exp2(s * qk_scale - lse2[:, None])
             ds = p * (dp - delta[:, None])
             acc = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, acc, is_async=True)
