@@ -86,8 +86,9 @@ def compile_case(kernel, q_tile, kv_tile, dim, masked=True):
 
 
 # SASS instructions that order a consumer's loop step, by the name ``loop_orders`` prints for them
-EVENTS = (("HGMMA", "mma"), ("WARPGROUP.DEPBAR", "wait"), ("MUFU.EX2", "exp"), ("F2FP", "cvt"), ("BAR.SYNC", "bar"),
-          ("SYNCS.ARRIVE", "arrive"), ("SYNCS.PHASECHK", "mbarrier-wait"))
+# (an integer division by a runtime value shows as a ``MUFU.RCP``, on the exponentials' unit)
+EVENTS = (("HGMMA", "mma"), ("WARPGROUP.DEPBAR", "wait"), ("MUFU.EX2", "exp"), ("MUFU.RCP", "rcp"), ("F2FP", "cvt"),
+          ("BAR.SYNC", "bar"), ("SYNCS.ARRIVE", "arrive"), ("SYNCS.PHASECHK", "mbarrier-wait"))
 
 
 def loop_orders(sass: str) -> list:

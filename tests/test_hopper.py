@@ -580,7 +580,8 @@ def _scheduled_loops(kernel):
 def test_forward_softmax_runs_under_the_value_matmul():
     """In each consumer's compiled loop every exponential of the softmax lies between the wait for the score matmul
     and the wait for the value matmul issued with it, so the softmax overlaps that matmul (ptxas, left to itself,
-    hoists the second wait to the first)."""
+    hoists the second wait to the first); and no step divides integers (``MUFU.RCP``): the masked steps carry their
+    key box from step to step instead of decoding it from the step index."""
     loops = _scheduled_loops("fwd")
     assert len(loops) == 7  # masked and mask-free (persistent) launches
     for case, orders in loops.items():
@@ -592,3 +593,4 @@ def test_forward_softmax_runs_under_the_value_matmul():
             exps = sum(count for name, count in order if name == "exp")
             assert exps >= 64, (case, order)
             assert sum(count for name, count in order[first:second] if name == "exp") == exps, (case, order)
+            assert "rcp" not in names, (case, order)
