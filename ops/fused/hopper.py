@@ -207,11 +207,9 @@ if gluon is not None:
             stage = (done + t) % stages
             # a fresh barrier reads as having completed the phase before its first, so the first lap passes
             lap = (((done + t) // stages) & 1) ^ 1
-            i0 = t // n12
-            i1 = (t - i0 * n12) // n2
-            i2 = t - i0 * n12 - i1 * n2
-            coord = [b, lo0 + i0 * k_smem.type.shape[2], lo1 + i1 * k_smem.type.shape[3],
-                     lo2 + i2 * k_smem.type.shape[4], col]
+            k0, k1, k2 = _step_box(t, n12, n2, lo0, lo1, lo2, k_smem.type.shape[2], k_smem.type.shape[3],
+                                   k_smem.type.shape[4])
+            coord = [b, k0, k1, k2, col]
             mbarrier.wait(k_empty.index(stage), lap)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, coord, k_ready.index(stage), k_smem.index(stage))
@@ -267,7 +265,8 @@ if gluon is not None:
 
     @gluon.jit
     def _step_box(t, n12, n2, lo0, lo1, lo2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
-        """The first key of loop step ``t``'s box, decoded from the step index (``_next_key_box`` steps it instead)."""
+        """The first key of loop step ``t``'s box, decoded from the step index (the producer's order; the forward's
+        consumers step it with ``_next_key_box`` instead)."""
         i0 = t // n12
         i1 = (t - i0 * n12) // n2
         return lo0 + i0 * U0, lo1 + i1 * U1, lo2 + (t - i0 * n12 - i1 * n2) * U2
@@ -280,8 +279,9 @@ if gluon is not None:
     @gluon.jit
     def _next_key_box(k0, k1, k2, lo1, lo2, end1, end2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
         """The first key of the loop's next box after ``(k0, k1, k2)``, in the producer's order (the last axis
-        fastest), stepped with carries and without branches: decoding the step's index took two integer divisions
-        by runtime values on the path from the score matmul to the softmax of every masked step."""
+        fastest), stepped with carries and no branch (an ``if`` per axis measured slower): decoding the step's index
+        took two integer divisions by runtime values on the path from the score matmul to the softmax of every masked
+        step."""
         k2 += U2
         wrap2 = (k2 == end2).to(gl.int32)
         k2 -= wrap2 * (end2 - lo2)
