@@ -171,8 +171,7 @@ def _backward_programs(n_blocks: int, device: torch.device, max_programs: int | 
     sums stay small next to the rows."""
     if max_programs is None:
         if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            max_programs = BACKWARD_PROGRAMS_PER_SM * multiprocessors(index)
+            max_programs = BACKWARD_PROGRAMS_PER_SM * multiprocessors(device)
         else:
             max_programs = 8
     blocks_per_program = triton.cdiv(n_blocks, max(1, min(n_blocks, max_programs)))

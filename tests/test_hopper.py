@@ -56,9 +56,8 @@ def test_mask_only_where_some_tile_is_partial():
 
 def test_one_program_per_sm_without_masks_or_in_1d(monkeypatch):
     """Mask-free launches (every tile's loop as long) and masked 1-D ones without causal axes (loops as long but at
-    the ends) run one program per SM over all work items; other masked ones one program per work item, which the
-    hardware hands out as SMs free up."""
-    monkeypatch.setattr(hopper, "multiprocessors", lambda device: 132)
+    the ends) run one program per SM over all work items (132 here: ``h100_sms_without_a_gpu``); other masked ones one
+    program per work item, which the hardware hands out as SMs free up."""
     strided, unstrided = _plan((256, 256), (80, 80), (16, 16), heads=24), _plan((256, 256), (80, 80), heads=24)
     assert strided.programs == unstrided.programs == 512 * 24
     assert strided.persistent and strided.main_grid(torch.device("cpu")) == (132,)
