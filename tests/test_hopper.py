@@ -465,6 +465,42 @@ def test_dq_plan_and_reasons():
         assert "disabled" in hopper_dq.unsupported(q4, k4, k4, q4, q4, None, params, 0.1)
 
 
+def test_step_decode_is_exact_below_max_steps():
+    """``_step_box`` divides a step index ``t`` by the boxes per axis ``n`` as ``(t + 1/2) * (1 / n)`` in float32
+    and truncates: exact for every ``t < MAX_STEPS``, even with the reciprocal two units in the last place off (the
+    GPU's approximate division), checked at every ``t`` on either side of a multiple of ``n``, where an error would
+    show."""
+    np = pytest.importorskip("numpy")
+    for n in [*range(1, 1025), 4095, 4096, 65521]:
+        k = np.arange(hopper.MAX_STEPS // n + 2, dtype=np.int64) * n
+        t = np.concatenate([k - 1, k])
+        t = t[(t >= 0) & (t < hopper.MAX_STEPS)]
+        inverse = np.float32(1.0) / np.float32(n)
+        for inv in (inverse, *(np.float32(x) for x in _ulps_around(np, inverse, 2))):
+            decoded = ((t.astype(np.float32) + np.float32(0.5)) * inv).astype(np.int64)
+            assert (decoded == t // n).all(), (n, inv)
+
+
+def _ulps_around(np, x, ulps):
+    below = above = x
+    for _ in range(ulps):
+        below, above = np.nextafter(below, np.float32(0)), np.nextafter(above, np.float32(np.inf))
+        yield below
+        yield above
+
+
+def test_tiles_visiting_too_many_boxes_run_portable(monkeypatch):
+    monkeypatch.setattr(hopper, "sm90", lambda device: True)  # (on an sm_90 GPU)
+    monkeypatch.setattr(hopper.kernels, "interpreted", lambda: False)
+    params = _params((256, 256), (80, 80), (16, 16))
+    q4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
+    assert hopper.longest_loop(params) == 50  # 80 x 80 keys in 8 x 16 boxes
+    assert hopper.longest_loop(_params((30, 48, 80), (18, 24, 24))) == 10 * 4 * 4
+    assert hopper.unsupported(q4, q4, q4, None, params, 0.1) is None
+    monkeypatch.setattr(hopper, "MAX_STEPS", 50)
+    assert "50 key boxes" in hopper.unsupported(q4, q4, q4, None, params, 0.1)
+
+
 def test_dkdv_leaves_1d_to_the_portable_kernel(monkeypatch):
     monkeypatch.setattr(hopper, "sm90", lambda device: True)  # (on an sm_90 GPU)
     monkeypatch.setattr(hopper.kernels, "interpreted", lambda: False)
@@ -593,3 +629,17 @@ def test_forward_softmax_runs_under_the_value_matmul():
             assert exps >= 64, (case, order)
             assert sum(count for name, count in order[first:second] if name == "exp") == exps, (case, order)
             assert "rcp" not in names, (case, order)
+
+
+@pytest.mark.skipif(hopper.gluon is None, reason="needs Triton's Gluon dialect")
+def test_dq_steps_do_not_divide_integers():
+    """dQ's masked steps decode their key box from the step index with reciprocals taken once per tile
+    (``_step_box``), not with integer divisions, whose reciprocals (``MUFU.RCP``) would sit between the score matmuls
+    and the exponentials of every step."""
+    loops = _scheduled_loops("dq")
+    assert len(loops) == 4
+    for case, orders in loops.items():
+        assert len(orders) == 2, case  # one loop per consumer
+        for order in orders:
+            names = [name for name, _ in order]
+            assert "exp" in names and "rcp" not in names, (case, order)

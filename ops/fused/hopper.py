@@ -58,6 +58,8 @@ except ImportError:  # pragma: no cover - older Triton: the portable kernel runs
 ENABLED = os.environ.get("NAMODELS_HOPPER", "1") != "0"
 ROWS = 128  # query rows per program: two consumer warpgroups of 64
 COLS = 128  # keys per stage
+# ``_step_box`` decodes the step indices below this exactly (``_floor_div``); a tile visiting more boxes runs portable
+MAX_STEPS = 1 << 20
 HEAD_DIMS = (64, 128)
 MIN_WINDOW = 1024
 RANKS = (1, 2, 3)
@@ -203,12 +205,13 @@ if gluon is not None:
         freed separately: a consumer is done with a K box long before it is done with its V box); ``done``: boxes
         the rings have passed before (earlier work items of a persistent program)."""
         stages: gl.constexpr = k_smem.type.shape[0]
+        n12_inv, n2_inv = _box_reciprocals(n12, n2)
         for t in range(n_tiles):
             stage = (done + t) % stages
             # a fresh barrier reads as having completed the phase before its first, so the first lap passes
             lap = (((done + t) // stages) & 1) ^ 1
-            k0, k1, k2 = _step_box(t, n12, n2, lo0, lo1, lo2, k_smem.type.shape[2], k_smem.type.shape[3],
-                                   k_smem.type.shape[4])
+            k0, k1, k2 = _step_box(t, n12, n2, n12_inv, n2_inv, lo0, lo1, lo2, k_smem.type.shape[2],
+                                   k_smem.type.shape[3], k_smem.type.shape[4])
             coord = [b, k0, k1, k2, col]
             mbarrier.wait(k_empty.index(stage), lap)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
@@ -264,12 +267,27 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _step_box(t, n12, n2, lo0, lo1, lo2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
+    def _box_reciprocals(n12, n2):
+        """``1 / n12`` and ``1 / n2`` for ``_step_box``, computed once per tile."""
+        return 1.0 / gl.maximum(n12, 1).to(gl.float32), 1.0 / gl.maximum(n2, 1).to(gl.float32)
+
+    @gluon.jit
+    def _floor_div(t, n_inv):
+        """``t // n`` for ``0 <= t < MAX_STEPS`` from ``n``'s float reciprocal: ``(t + 1/2) / n`` lies at least
+        ``1 / (2 n)`` from an integer, and the float product errs by at most ``(t + 1/2) / n * 2**-21``, so the
+        truncation is exact.  An integer division by a runtime value takes about 28 SASS instructions, one of them a
+        reciprocal on the exponentials' unit; this takes three."""
+        return ((t.to(gl.float32) + 0.5) * n_inv).to(gl.int32)
+
+    @gluon.jit
+    def _step_box(t, n12, n2, n12_inv, n2_inv, lo0, lo1, lo2, U0: gl.constexpr, U1: gl.constexpr,
+                  U2: gl.constexpr):
         """The first key of loop step ``t``'s box, decoded from the step index (the producer's order; the forward's
-        consumers step it with ``_next_key_box`` instead)."""
-        i0 = t // n12
-        i1 = (t - i0 * n12) // n2
-        return lo0 + i0 * U0, lo1 + i1 * U1, lo2 + (t - i0 * n12 - i1 * n2) * U2
+        consumers step it with ``_next_key_box`` instead); ``n12_inv``, ``n2_inv``: ``_box_reciprocals``."""
+        i0 = _floor_div(t, n12_inv)
+        r = t - i0 * n12
+        i1 = _floor_div(r, n2_inv)
+        return lo0 + i0 * U0, lo1 + i1 * U1, lo2 + (r - i1 * n2) * U2
 
     @gluon.jit
     def _box_ends(lo1, lo2, n12, n2, U1: gl.constexpr, U2: gl.constexpr):
@@ -643,7 +661,15 @@ def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float, ranks: tuple = 
         return "Q/K/V layout does not allow host-built descriptors"
     if launch.needs_int64(q4, k4, v4):
         return "offsets past 2**31 elements"
+    if longest_loop(params) >= MAX_STEPS:
+        return f"a query tile visiting {MAX_STEPS} key boxes or more"
     return None
+
+
+def longest_loop(params: NAParams) -> int:
+    """The most key boxes one query tile of the forward and dQ visits."""
+    axes = tiles.axes_of(params)
+    return tiles.max_boxes(axes, *tiles.choose_tiles(axes, ROWS, COLS))
 
 
 def window_tables(params: NAParams, q_tile) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,8 +32,8 @@ from ..window import NAParams
 
 gluon, gl = hopper.gluon, (hopper.gl if hopper.gluon is not None else None)
 if gluon is not None:
-    from .hopper import (_await_turn, _consumer_rows, _load_halves, _load_kv, _mask_box, _pass_turn, _program,
-                         _register_operand, _rings, _step_box, _tile_spans, _turn_barriers, _wgmma_layout,
+    from .hopper import (_await_turn, _box_reciprocals, _consumer_rows, _load_halves, _load_kv, _mask_box, _pass_turn,
+                         _program, _register_operand, _rings, _step_box, _tile_spans, _turn_barriers, _wgmma_layout,
                          fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 STAGES = 2  # K/V stages in shared memory
@@ -83,6 +83,7 @@ if gluon is not None:
         gl.store(DELTA + l_off, delta, mask=q_ok)
 
         acc = gl.zeros([h_rows, block_d], gl.float32, layout=g_layout)
+        n12_inv, n2_inv = _box_reciprocals(n12, n2)
         for t in range(n_tiles):
             stage = t % stages
             phase = (t // stages) & 1
@@ -98,7 +99,7 @@ if gluon is not None:
             s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
             mbarrier.arrive(v_empty.index(stage), count=1)
             if mask:  # the box decoded from t: carried coordinates, as the forward steps them, ran 1-4.5% slower here
-                k0, k1, k2 = _step_box(t, n12, n2, lo0, lo1, lo2, U0, U1, U2)
+                k0, k1, k2 = _step_box(t, n12, n2, n12_inv, n2_inv, lo0, lo1, lo2, U0, U1, U2)
                 s = _mask_box(s, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1,
                               stop1, start2, stop2, U0, U1, U2)
             p = gl.exp2(s * qk_scale - lse2[:, None])
