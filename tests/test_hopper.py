@@ -470,23 +470,22 @@ def test_step_decode_is_exact_below_max_steps():
     and truncates: exact for every ``t < MAX_STEPS``, even with the reciprocal two units in the last place off (the
     GPU's approximate division), checked at every ``t`` on either side of a multiple of ``n``, where an error would
     show."""
-    np = pytest.importorskip("numpy")
     for n in [*range(1, 1025), 4095, 4096, 65521]:
-        k = np.arange(hopper.MAX_STEPS // n + 2, dtype=np.int64) * n
-        t = np.concatenate([k - 1, k])
+        k = torch.arange(hopper.MAX_STEPS // n + 2, dtype=torch.int64) * n
+        t = torch.cat([k - 1, k])
         t = t[(t >= 0) & (t < hopper.MAX_STEPS)]
-        inverse = np.float32(1.0) / np.float32(n)
-        for inv in (inverse, *(np.float32(x) for x in _ulps_around(np, inverse, 2))):
-            decoded = ((t.astype(np.float32) + np.float32(0.5)) * inv).astype(np.int64)
-            assert (decoded == t // n).all(), (n, inv)
+        for inverse in _ulps_around(torch.tensor(1.0) / n, 2):
+            decoded = ((t.float() + 0.5) * inverse).to(torch.int64)
+            assert torch.equal(decoded, t // n), (n, inverse.item())
 
 
-def _ulps_around(np, x, ulps):
-    below = above = x
+def _ulps_around(x: torch.Tensor, ulps: int) -> list:
+    """``x`` (float32) and its neighbours up to ``ulps`` units in the last place below and above."""
+    found, below, above = [x], x, x
     for _ in range(ulps):
-        below, above = np.nextafter(below, np.float32(0)), np.nextafter(above, np.float32(np.inf))
-        yield below
-        yield above
+        below, above = torch.nextafter(below, torch.tensor(0.0)), torch.nextafter(above, torch.tensor(math.inf))
+        found += [below, above]
+    return found
 
 
 def test_tiles_visiting_too_many_boxes_run_portable(monkeypatch):
