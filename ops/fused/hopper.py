@@ -33,6 +33,7 @@ kernel; ``NAMODELS_HOPPER=0`` (or ``disabled()``) forces it, for ``hopper_dq`` a
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -666,8 +667,10 @@ def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float, ranks: tuple = 
     return None
 
 
+@functools.lru_cache(maxsize=256)
 def longest_loop(params: NAParams) -> int:
-    """The most key boxes one query tile of the forward and dQ visits."""
+    """The most key boxes one query tile of the forward and dQ visits (kept per problem: the forward, dQ and dK/dV
+    planners each ask ``unsupported``, and the tile search behind it takes milliseconds on 3-D problems)."""
     axes = tiles.axes_of(params)
     return tiles.max_boxes(axes, *tiles.choose_tiles(axes, ROWS, COLS))
 
