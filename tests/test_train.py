@@ -320,6 +320,20 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
     assert a["optimizer_states"][0]["param_groups"][0]["lr"] == b["optimizer_states"][0]["param_groups"][0]["lr"]
 
 
+def test_resume_with_default_callbacks_logs_throughput_at_any_log_interval(tmp_path):
+    """ckpt_path=last with the default callbacks (throughput monitor included) and a log interval that does not
+    divide the epoch (3 batches, every 2 steps): Lightning logs the rates at global steps 4 and 6 of the resumed
+    run, 1 and 3 batches after its restart, so the monitor must read its clock on those batches too."""
+    _train(tmp_path, "trainer.max_epochs=1", "trainer.log_every_n_steps=2", "export=false")
+    cfg, resumed = _train(tmp_path, "trainer.max_epochs=2", "trainer.log_every_n_steps=2", "export=false",
+                          "ckpt_path=last")
+    assert resumed["global_step"] == 6
+    rows = [row for path in glob.glob(os.path.join(cfg.paths.output_dir, "csv", "*", "metrics.csv"))
+            for row in csv.DictReader(open(path)) if row.get("train/samples")]
+    assert sorted(int(row["step"]) for row in rows) == [1, 3, 5]  # (Lightning writes step - 1) both runs' readings
+    assert [float(row["train/batches"]) for row in rows if int(row["step"]) >= 3] == [1, 3]  # since the restart
+
+
 def test_ddp_on_cpu_with_two_processes(tmp_path):
     cmd = [sys.executable, "train.py", "experiment=digits", *FAST, "trainer=ddp_cpu", "trainer.max_epochs=1",
            f"paths.root_dir={tmp_path}"]
