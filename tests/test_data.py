@@ -241,3 +241,40 @@ def test_batch_larger_than_dataset(tmp_path):
     dm.use_model_defaults(MODEL_DEFAULTS)
     with pytest.raises(ValueError, match="data.batch_size: 8 exceeds the 3 training images"):
         dm.train_dataloader()
+
+
+@pytest.mark.parametrize("policy", ["rand-m9-mstd0.5-inc1", "rand-m9-mstd0.5", "originalr-mstd0.5", "v0", "v0r-mstd0.5",
+                                    "augmix-m5-w3-d2"])
+def test_training_augmentation_takes_every_op_at_every_magnitude(policy):
+    """Every augment op of the data module's training transform, at each magnitude 0..10, on random 32x32
+    images, then the whole transform (rand-m9-mstd0.5-inc1 is the ImageNet recipes'): its PosterizeIncreasing
+    keeps 0 bits at magnitude 10, which Pillow 13 refuses; 0 bits give an all-zero image, as older Pillow did."""
+    import copy
+    import random
+
+    from namodels.data.augment import augment_ops
+
+    cfg = data_cfg("digits", num_classes=10, img_size=32)
+    cfg["augment"] = dict(cfg["augment"], auto_augment=policy)
+    dm = ClassificationDataModule(cfg)
+    dm.use_model_defaults(MODEL_DEFAULTS)
+    train, _ = dm.transforms()
+    ops = list(augment_ops(train))
+    assert ops, train
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(8)]
+    for op in {op.name: op for op in ops}.values():
+        fixed = copy.copy(op)
+        fixed.prob, fixed.magnitude_std = 1.0, 0.0
+        for magnitude in range(11):
+            fixed.magnitude = magnitude
+            for image in images[:2]:
+                out = fixed(image)
+                assert out.size == image.size and out.mode == image.mode, (op.name, magnitude)
+                if op.name == "PosterizeIncreasing" and magnitude == 10:
+                    assert not np.asarray(out).any()  # 0 bits kept
+    random.seed(0)
+    np.random.seed(0)
+    for i in range(400):
+        out = train(images[i % len(images)])
+        assert tuple(out.shape) == (3, 32, 32) and out.dtype == torch.uint8

@@ -144,9 +144,11 @@ class ClassificationDataModule(pl.LightningDataModule):
     def transforms(self):
         ev, aug = self.eval_settings(), self.cfg["augment"]
         size = (3, ev["img_size"], ev["img_size"])
+        from .augment import train_transform  # timm's, with augment ops that every allowed Pillow accepts
+
         # uint8 out of the workers: normalisation and random erasing are the device's (``device_transform``)
-        train = create_transform(
-            size, is_training=True, scale=tuple(aug["scale"]), ratio=tuple(aug["ratio"]), hflip=aug["hflip"],
+        train = train_transform(
+            size, scale=tuple(aug["scale"]), ratio=tuple(aug["ratio"]), hflip=aug["hflip"],
             vflip=aug["vflip"], color_jitter=aug["color_jitter"] or 0.0, auto_augment=aug["auto_augment"],
             interpolation=aug["interpolation"], mean=ev["mean"], normalize=False,
         )
