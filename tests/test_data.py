@@ -278,3 +278,36 @@ def test_training_augmentation_takes_every_op_at_every_magnitude(policy):
     for i in range(400):
         out = train(images[i % len(images)])
         assert tuple(out.shape) == (3, 32, 32) and out.dtype == torch.uint8
+
+
+def test_folder_readers_read_each_file_once_through_link_loops(tmp_path):
+    """A link to a folder above it (a loop: os.walk(followlinks=True) lists every file 41 times, a random split
+    then puts copies of an image in train and val) and a second path to a class folder add no sample; a file in
+    both splits of the folder layout is an error."""
+    from namodels.data.images import ImageFolder
+
+    root = tmp_path / "flat"
+    rng = np.random.default_rng(2)
+    for label, cls in enumerate(CLASSES[:2]):
+        os.makedirs(root / cls)
+        for i in range(10):
+            _image(rng, label).save(root / cls / f"{i}.png")
+    os.symlink(root, root / CLASSES[0] / "loop")
+    os.symlink(root / CLASSES[1], root / CLASSES[0] / "alias")
+    train, val = build_splits(data_cfg("image_folder", str(root), val_fraction=0.2))
+    assert (len(train), len(val)) == (16, 4) and train.classes == list(CLASSES[:2])
+    real = [{os.path.realpath(ds.filename(int(i))) for i in ds.indices} for ds in (train, val)]  # reader indices
+    assert len(real[0]) == 16 and len(real[1]) == 4 and not real[0] & real[1]
+    assert _labels_by_colour(train) + _labels_by_colour(val) == [(y, y) for _, y in _labels_by_colour(train)
+                                                                 + _labels_by_colour(val)]
+    gan = ImageFolder(str(root), resolution=8, hflip=False)
+    assert len(gan.files) == 20 and len({os.path.realpath(f) for f in gan.files}) == 20
+
+    folder = tmp_path / "imagenet"
+    make_folder(str(folder))
+    os.symlink(folder / "train", folder / "train" / CLASSES[0] / "up")
+    train, val = build_splits(data_cfg("folder", str(folder)))
+    assert (len(train), len(val)) == (12, 6)
+    os.symlink(folder / "val" / CLASSES[1], folder / "train" / CLASSES[2] / "peek")
+    with pytest.raises(DatasetLayoutError, match=r"2 files of the 'train' split are also in the 'val' split"):
+        build_splits(data_cfg("folder", str(folder)))

@@ -3,9 +3,10 @@ offline default made of random crops of scikit-image's bundled sample photos.
 
 Images are float32 ``[3, R, R]`` in ``[-1, 1]`` (what the generator outputs).
 
-* :class:`ImageFolder`: every image file under ``root`` (recursively, sorted), so it reads the
-  FFHQ layout (``images1024x1024/00000/00000.png`` or a flat ``ffhq256/*.png``) and LSUN exported
-  to files (``church_outdoor_train/*.webp``); resized so the short side is ``resolution``, center
+* :class:`ImageFolder`: every image file under ``root`` (recursively, sorted; links followed, each real
+  file once: :func:`~namodels.data.files.find_image_files`), so it reads the FFHQ layout
+  (``images1024x1024/00000/00000.png`` or a flat ``ffhq256/*.png``) and LSUN exported to files
+  (``church_outdoor_train/*.webp``); resized so the short side is ``resolution``, center
   cropped, optionally flipped.  Items are ``(image, skipped)``: an unreadable file (truncated, not an
   image, a decompression bomb, a dangling symlink) is replaced by the next readable one, so batches
   stay full (the discriminator's minibatch-stddev groups need that), and its path is listed in
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .decoding import UnreadableImage, open_rgb
+from .files import find_image_files
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +79,7 @@ class ImageFolder(Dataset):
         if not os.path.isdir(root):
             raise ValueError(f"root: image folder {root!r} does not exist")
         exts = tuple(e.lower() for e in extensions)
-        files = []
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-            dirnames.sort()
-            files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.lower().endswith(exts))
+        files = [f.path for f in find_image_files(root, exts)]  # a link loop adds no file
         if not files:
             raise ValueError(f"root: no images ({', '.join(exts)}) found under {root!r}")
         self.files = files[:max_images] if max_images else files

@@ -1,17 +1,20 @@
 """Where classification images come from: the formats behind ``data.format``.
 
 Every source returns a :class:`LabeledImages` dataset of ``(PIL.Image, class index)`` pairs read by one
-of timm's readers (folders: ``ReaderImageFolder``; tar shards: ``ReaderImageInTar``), or built in
-memory (``digits``, ``synthetic``).  Files that cannot be decoded (truncated, not images, decompression
-bombs, dangling symlinks) come back as :class:`~namodels.data.decoding.Unreadable` with their path; the
-collate function drops them and passes the paths on, so the task counts unreadable *files*.  16-bit
-images are scaled to 8 bits (:func:`~namodels.data.decoding.open_rgb`).
+of timm's readers (folders: :class:`FolderReader`, timm's ``ReaderImageFolder`` over
+:func:`~namodels.data.files.find_image_files`, which follows links but reads every file once; tar shards:
+``ReaderImageInTar``), or built in memory (``digits``, ``synthetic``).  Files that cannot be decoded
+(truncated, not images, decompression bombs, dangling symlinks) come back as
+:class:`~namodels.data.decoding.Unreadable` with their path; the collate function drops them and passes the
+paths on, so the task counts unreadable *files*.  16-bit images are scaled to 8 bits
+(:func:`~namodels.data.decoding.open_rgb`).
 
 Formats (``data.format``):
 
 * ``digits``: sklearn's 8x8 handwritten digits (1797 real images, shipped with scikit-learn), upsampled
   to ``data.img_size``; a fixed split by ``data.val_fraction`` and ``data.split_seed``.
-* ``folder``: ImageNet layout, ``root/<train_split>/<class>/*.JPEG`` and ``root/<val_split>/<class>/*``.
+* ``folder``: ImageNet layout, ``root/<train_split>/<class>/*.JPEG`` and ``root/<val_split>/<class>/*``; a file
+  in both splits (through a link) is an error.
 * ``tar``: the same as tar files: ``root/<split>.tar`` (a tar of class folders, or a tar of per-class
   tars such as ``ILSVRC2012_img_train.tar``) or a folder ``root/<split>/`` of per-class ``<class>.tar``
   shards.
@@ -30,11 +33,14 @@ import numpy as np
 import torch
 from PIL import Image
 from timm.data.readers.img_extensions import get_img_extensions
+from timm.data.readers.reader import Reader
 from timm.data.readers.reader_image_folder import ReaderImageFolder
 from timm.data.readers.reader_image_in_tar import ReaderImageInTar
+from timm.utils.misc import natural_key
 from torch.utils.data import Dataset
 
 from .decoding import Unreadable, UnreadableImage, open_rgb
+from .files import find_image_files
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +143,28 @@ def _require_dir(path: str, what: str, layout: str):
         raise DatasetLayoutError(f"data.root: {what} {path!r} does not exist; expected {layout}")
 
 
+class FolderReader(ReaderImageFolder):
+    """timm's ``ReaderImageFolder`` over :func:`~namodels.data.files.find_image_files`: the same samples (every
+    image under ``root``, labelled by the name of its folder, in natural order) except that a link loop or a
+    folder reached under two paths adds no sample, where timm's ``os.walk(followlinks=True)`` lists a file again
+    for every path to it.  ``real_paths[i]`` is sample ``i``'s file with its links resolved."""
+
+    def __init__(self, root: str, class_to_idx: dict | None = None):
+        Reader.__init__(self)  # not ReaderImageFolder's, which walks the folder with os.walk
+        self.root = root
+        files = find_image_files(root, get_img_extensions(as_set=True), sort=False)  # sorted below, as timm does
+        prefix = len(os.path.join(root, ""))
+        # timm's labels: the name of the folder holding the file ('' for a file directly in root)
+        labels = [(f.path[prefix:].rsplit(os.sep, 2)[-2:-1] or [""])[0] for f in files]
+        if not class_to_idx:
+            class_to_idx = {c: i for i, c in enumerate(sorted(set(labels), key=natural_key))}
+        kept = sorted(((f, class_to_idx[label]) for f, label in zip(files, labels) if label in class_to_idx),
+                      key=lambda item: natural_key(item[0].path))
+        self.samples = [(f.path, target) for f, target in kept]
+        self.real_paths = [f.real for f, _ in kept]
+        self.class_to_idx = class_to_idx
+
+
 def _folder_reader(path: str, layout: str, class_to_idx: dict | None):
     if not os.path.isdir(path):
         raise DatasetLayoutError(f"data.root: split folder {path!r} does not exist; expected {layout}")
@@ -145,7 +173,7 @@ def _folder_reader(path: str, layout: str, class_to_idx: dict | None):
         loose = [f for f in os.listdir(path) if os.path.splitext(f)[1].lower() in get_img_extensions(as_set=True)]
         hint = f" (found {len(loose)} images directly in it: put them in one folder per class)" if loose else ""
         raise DatasetLayoutError(f"data.root: {path!r} has no class sub-folders{hint}; expected {layout}")
-    reader = ReaderImageFolder(path, class_map=class_to_idx or "")
+    reader = FolderReader(path, class_to_idx)
     if len(reader) == 0:
         raise DatasetLayoutError(
             f"data.root: no images ({', '.join(sorted(get_img_extensions()))}) under {path!r}; expected {layout}"
@@ -235,7 +263,19 @@ def build_splits(cfg: dict) -> tuple[Dataset, Dataset]:
     # The validation split reuses the training class indices, so a class missing in val cannot shift them.
     val_reader = make(os.path.join(root, val) if fmt == "folder" else val, layout, dict(
         (name, i) for i, name in enumerate(classes)))
+    if fmt == "folder":
+        _check_disjoint(train_reader, val_reader, train, val)
     return LabeledImages(train_reader, classes=classes), LabeledImages(val_reader, classes=classes)
+
+
+def _check_disjoint(train_reader: FolderReader, val_reader: FolderReader, train: str, val: str) -> None:
+    """No file (after resolving links) is in both splits: validating on training images would overstate accuracy."""
+    val_files = set(val_reader.real_paths)
+    shared = [path for (path, _), real in zip(train_reader.samples, train_reader.real_paths) if real in val_files]
+    if shared:
+        raise DatasetLayoutError(
+            f"data.root: {len(shared)} files of the {train!r} split are also in the {val!r} split through links "
+            f"(first: {shared[0]!r}); a validation image must not be trained on")
 
 
 class SyntheticImages(Dataset):
