@@ -1,9 +1,18 @@
 """Lightning data module for image classification (every ``data.format`` of :mod:`namodels.data.sources`).
 
-Augmentation is timm's ``create_transform`` (RandomResizedCrop, flips, color jitter, RandAugment), run by the
-loader workers up to uint8 images; normalisation and random erasing run on the batch's device after the transfer
-(``on_after_batch_transfer``, :mod:`namodels.data.device_transforms`).  Mean/std, interpolation and crop_pct
-default to the model's pretrained config.
+Two input pipelines (``data.pipeline``) make the same uint8 batches:
+
+* ``cpu``: timm's ``create_transform`` (RandomResizedCrop, flips, color jitter, RandAugment) run by the loader
+  workers on decoded PIL images;
+* ``gpu``: the workers read encoded files (and draw each sample's crop box); decoding (nvJPEG, the hardware
+  JPEG engines through nvImageCodec where installed), crop and resize and the same augmentations run batched on
+  the training GPU, launched by the workers, a few batches ahead (:mod:`namodels.data.gpu_pipeline`).  A CPU's
+  share of a GPU machine cannot decode and augment ImageNet as fast as one GPU trains NAT; the GPU pipeline can.
+
+``auto`` (the default) takes ``gpu`` for image files when the run trains on CUDA, else ``cpu``; in-memory sources
+(``digits``, ``synthetic``) have no files to decode and take ``cpu``.  Normalisation and random erasing run on the
+batch's device after the transfer for both (``on_after_batch_transfer``, :mod:`namodels.data.device_transforms`).
+Mean/std, interpolation and crop_pct default to the model's pretrained config.
 
 Reproducibility: the training order depends only on ``(seed, epoch)`` and so do the dataloader worker
 seeds, so a run resumed from an end-of-epoch checkpoint sees the same batches as an uninterrupted
@@ -22,6 +31,10 @@ from torch.utils.data import DataLoader, DistributedSampler, default_collate
 from ..utils.checks import check_choice, check_range
 from .decoding import Unreadable
 from .device_transforms import DeviceNormalize
+from .encoded import CropSampler, EncodedImages, collate_encoded
+from .gpu_augment import GPUAugment
+from .gpu_decode import DECODERS
+from .gpu_pipeline import GPUCollate, TrainStage, ValStage
 from .sources import FORMATS, SyntheticImages, build_splits, check_paths
 
 log = logging.getLogger(__name__)
@@ -31,6 +44,9 @@ DEFAULT_AUGMENT = dict(
     interpolation="random", re_prob=0.0, re_mode="pixel", re_count=1,
 )
 DEFAULT_EVAL = dict(crop_pct=None, interpolation=None, mean=None, std=None)
+DEFAULT_GPU = dict(decoder="auto", workers=6, prefetch=2)
+PIPELINES = ("auto", "gpu", "cpu")
+FILE_FORMATS = ("folder", "tar", "image_folder")  # the formats with files to decode
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -114,6 +130,15 @@ class ClassificationDataModule(pl.LightningDataModule):
             raise ValueError(f"data.eval: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_EVAL)}")
         check_range("data.eval.crop_pct", ev["crop_pct"], 0, 1, low_open=True, allow_none=True)
         cfg["eval"] = ev
+        cfg["pipeline"] = check_choice("data.pipeline", cfg.get("pipeline", "auto"), PIPELINES)
+        gpu = {**DEFAULT_GPU, **(cfg.get("gpu") or {})}
+        unknown = set(gpu) - set(DEFAULT_GPU)
+        if unknown:
+            raise ValueError(f"data.gpu: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_GPU)}")
+        check_choice("data.gpu.decoder", gpu["decoder"], DECODERS)
+        check_range("data.gpu.workers", gpu["workers"], 0, integer=True)
+        check_range("data.gpu.prefetch", gpu["prefetch"], 1, integer=True)
+        cfg["gpu"] = gpu
         return cfg
 
     @property
@@ -160,6 +185,39 @@ class ClassificationDataModule(pl.LightningDataModule):
         """Normalisation (the resolved mean/std) and the training split's random erasing, for device batches."""
         ev, aug = self.eval_settings(), self.cfg["augment"]
         return DeviceNormalize(ev["mean"], ev["std"], aug["re_prob"], aug["re_mode"], aug["re_count"])
+
+    def _device(self) -> torch.device:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            return trainer.strategy.root_device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def pipeline(self) -> str:
+        """``'gpu'`` or ``'cpu'``: ``data.pipeline`` resolved for this source and the run's device."""
+        choice, fmt, device = self.cfg["pipeline"], self.cfg["format"], self._device()
+        if choice == "cpu" or fmt not in FILE_FORMATS:
+            return "cpu"
+        if device.type != "cuda":
+            if choice == "gpu":
+                raise ValueError(f"data.pipeline: 'gpu' needs a run on a CUDA device, this one runs on {device}; "
+                                 "use data.pipeline=cpu (or auto)")
+            return "cpu"
+        return "gpu"
+
+    def _gpu_loader(self, dataset, stage, batch_size: int, **kwargs) -> DataLoader:
+        """A DataLoader whose workers read files and run ``stage`` on the GPU (``spawn``: they use CUDA)."""
+        workers = int(self.cfg["gpu"]["workers"])
+        spawn = workers > 0 and stage.device.type == "cuda"
+        _, rank, _ = self._distribution()
+        return DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=GPUCollate(stage, rank),
+                          multiprocessing_context="spawn" if spawn else None, persistent_workers=False,
+                          prefetch_factor=int(self.cfg["gpu"]["prefetch"]) if workers else None, **kwargs)
+
+    def gpu_augment(self) -> GPUAugment:
+        """The training split's flips and RandAugment / colour jitter, batched on the device."""
+        ev, aug = self.eval_settings(), self.cfg["augment"]
+        return GPUAugment(hflip=aug["hflip"], vflip=aug["vflip"], auto_augment=aug["auto_augment"],
+                          color_jitter=aug["color_jitter"] or 0.0, mean=ev["mean"], interpolation=aug["interpolation"])
 
     def check_source(self) -> None:
         """Fails on a missing ``data.root`` or split path before the run builds its model and trainer."""
@@ -209,11 +267,29 @@ class ClassificationDataModule(pl.LightningDataModule):
                 f"data.batch_size: {self.batch_size} exceeds the {len(sampler)} training images per process "
                 f"({len(self.train_set)} images over {world} processes); lower data.batch_size"
             )
+        if self.pipeline() == "gpu":
+            aug = self.cfg["augment"]
+            crops = CropSampler(aug["scale"], aug["ratio"], aug["interpolation"])
+            gpu = self.cfg["gpu"]
+            stage = TrainStage(gpu["decoder"], self._device(), int(self.cfg["img_size"]), self.gpu_augment())
+            log.info("data: GPU input pipeline on %s (decoder %s, %d loader processes)", stage.device,
+                     gpu["decoder"], gpu["workers"])
+            return self._gpu_loader(EncodedImages(self.train_set, crops), stage, self.batch_size, sampler=sampler,
+                                    generator=generator, drop_last=True)
         return self._loader(self.train_set, self.batch_size, sampler=sampler, generator=generator, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")
-        return self._loader(self.val_set, int(self.cfg.get("val_batch_size") or self.batch_size))
+        batch_size = int(self.cfg.get("val_batch_size") or self.batch_size)
+        if self.pipeline() == "gpu":
+            ev = self.eval_settings()
+            stage = ValStage(self.cfg["gpu"]["decoder"], self._device(), ev["img_size"], ev["crop_pct"],
+                             ev["interpolation"])
+            world, rank, _ = self._distribution()
+            # Lightning shards DataLoaders only: this loader brings its own sampler, as Lightning's would be
+            sampler = DistributedSampler(self.val_set, world, rank, shuffle=False) if world > 1 else None
+            return self._gpu_loader(EncodedImages(self.val_set), stage, batch_size, sampler=sampler)
+        return self._loader(self.val_set, batch_size)
 
     def _loader(self, dataset, batch_size, **kwargs) -> DataLoader:
         workers = int(self.cfg.get("num_workers", 0))

@@ -1,0 +1,168 @@
+"""The device half of the GPU input pipeline: decode, crop and resize, augment, batched on the training GPU.
+
+Each loader worker (a process of its own, started with ``spawn`` because it uses CUDA) reads a batch's files
+(:mod:`namodels.data.encoded`: encoded JPEGs, the few files only the CPU decodes as pixels, each training
+sample's RandomResizedCrop box drawn), then, as the batch's collate function, on the training GPU:
+
+1. decodes the JPEGs batched (:mod:`namodels.data.gpu_decode`); a file the GPU decoder refuses is decoded on the
+   CPU, and one nobody can decode is skipped and reported like an unreadable file;
+2. crops each image to its box and resizes it to the training size with its interpolation (antialiased, as PIL
+   resizes in timm's transform), or for validation resizes the short side to ``img_size / crop_pct`` and takes the
+   centre crop (timm's eval transform);
+3. applies the batch's augmentations with per-sample random parameters (:class:`~namodels.data.gpu_augment.GPUAugment`:
+   flips, RandAugment or colour jitter), drawn from a generator seeded by the worker's seed, which the loader
+   derives from the run's seed and the epoch.
+
+The batch reaches the training process as a CUDA tensor (CUDA IPC: no copy).  Launching a batch's kernels is
+Python work, tens of milliseconds per batch; in worker processes it runs in parallel and off the training loop's
+interpreter, so the training step is not slowed by it and the rate grows with the worker count.  The result is the
+uint8 batch the CPU pipeline's workers would have made; normalisation and random erasing follow on the training
+stream as for every pipeline (:mod:`namodels.data.device_transforms`), mixup / cutmix in the task.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .decoding import UnreadableImage, open_rgb
+from .encoded import EncodedBatch, EncodedSample, _chw, collate_encoded
+from .gpu_decode import make_decoder
+
+log = logging.getLogger(__name__)
+
+
+def _resize(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
+    """uint8 ``[3, h, w]`` -> float ``[3, *size]`` in 0..255 (antialiased, PIL's filters)."""
+    return F.interpolate(image[None].float(), size=size, mode=mode, antialias=True, align_corners=False)[0]
+
+
+def _to_uint8(images: torch.Tensor) -> torch.Tensor:
+    return images.round_().clamp_(0, 255).to(torch.uint8)
+
+
+class _Stage:
+    """Decoding shared by the training and validation stages.  The decoder is made on first use in the process
+    that runs the stage (a loader worker), not pickled with it."""
+
+    def __init__(self, decoder: str, device: torch.device):
+        self.decoder_name, self.device = decoder, torch.device(device)
+        self._decoder = None
+        self.cpu_decodes = 0  # files the GPU decoder refused (decoded on the CPU instead)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_decoder": None}
+
+    @property
+    def decoder(self):
+        if self._decoder is None:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self._decoder = make_decoder(self.decoder_name, self.device)
+        return self._decoder
+
+    def decode(self, batch: EncodedBatch) -> tuple[list[tuple[EncodedSample, torch.Tensor]], list[str]]:
+        """``([(sample, uint8 [3, H, W] on the device)], unreadable paths)``."""
+        files = batch.encoded_data()
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        decoded = iter(self.decoder(files, stream) if files else [])
+        files = iter(files)
+        images, skipped = [], list(batch.skipped)
+        for sample in batch.samples:
+            data = next(files) if sample.encoded else None
+            image = next(decoded) if sample.encoded else sample.data
+            if image is None:  # refused by the GPU decoder: the CPU decodes what it can
+                self.cpu_decodes += 1
+                try:
+                    image = _chw(open_rgb(_bytes_io(data), sample.path))
+                except UnreadableImage as err:
+                    log.warning("skipping unreadable image %s", err)
+                    skipped.append(sample.path)
+                    continue
+            if image.device != self.device:
+                image = image.to(self.device, non_blocking=True)
+            if tuple(image.shape[1:]) != tuple(sample.size):  # a header that lied about the size
+                log.warning("skipping image %s: header size %s, decoded %s", sample.path, sample.size,
+                            tuple(image.shape[1:]))
+                skipped.append(sample.path)
+                continue
+            images.append((sample, image))
+        return images, skipped
+
+
+class TrainStage(_Stage):
+    """Decode, RandomResizedCrop to ``img_size`` (the worker's boxes), then ``augment`` (uint8 in and out)."""
+
+    def __init__(self, decoder: str, device: torch.device, img_size: int, augment: Callable | None):
+        super().__init__(decoder, device)
+        self.size, self.augment = (int(img_size),) * 2, augment
+
+    def __call__(self, batch: EncodedBatch, generator: torch.Generator):
+        images, skipped = self.decode(batch)
+        targets = torch.tensor([s.target for s, _ in images], dtype=torch.long)
+        if not images:
+            return None, None, skipped
+        out = torch.empty((len(images), 3, *self.size), device=self.device)
+        for k, (sample, image) in enumerate(images):
+            top, left, h, w = sample.crop
+            out[k] = _resize(image[:, top:top + h, left:left + w], self.size, sample.interpolation)
+        out = _to_uint8(out)
+        if self.augment is not None:
+            out = self.augment(out, generator)
+        return out, targets.to(self.device, non_blocking=True), skipped
+
+
+class ValStage(_Stage):
+    """Decode, resize the short side to ``floor(img_size / crop_pct)``, centre crop ``img_size`` (timm's eval
+    transform with torchvision's Resize and CenterCrop rounding)."""
+
+    def __init__(self, decoder: str, device: torch.device, img_size: int, crop_pct: float, interpolation: str):
+        super().__init__(decoder, device)
+        self.size, self.interpolation = int(img_size), interpolation
+        self.scale_size = int(img_size / crop_pct)
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        if height <= width:
+            return self.scale_size, int(self.scale_size * width / height)
+        return int(self.scale_size * height / width), self.scale_size
+
+    def __call__(self, batch: EncodedBatch, generator: torch.Generator | None = None):
+        images, skipped = self.decode(batch)
+        targets = torch.tensor([s.target for s, _ in images], dtype=torch.long)
+        if not images:
+            return None, None, skipped
+        out = torch.empty((len(images), 3, self.size, self.size), device=self.device)
+        for k, (_, image) in enumerate(images):
+            h, w = self.resized_size(*image.shape[1:])
+            resized = _resize(image, (h, w), self.interpolation)
+            top, left = int(round((h - self.size) / 2.0)), int(round((w - self.size) / 2.0))
+            out[k] = resized[:, top:top + self.size, left:left + self.size]
+        return _to_uint8(out), targets.to(self.device, non_blocking=True), skipped
+
+
+class GPUCollate:
+    """A DataLoader ``collate_fn`` that runs ``stage`` on the collated :class:`EncodedBatch` in the worker and
+    returns ``(images, targets, skipped)`` on the stage's device.  Its random generator is seeded, on first use
+    in each worker, from the worker's seed (which the loader draws from its generator, reseeded per epoch) and
+    ``rank``."""
+
+    def __init__(self, stage, rank: int = 0):
+        self.stage, self.rank = stage, int(rank)
+        self._generator: torch.Generator | None = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_generator": None}
+
+    def __call__(self, samples):
+        if self._generator is None:
+            # the ranks' loaders share their epoch seed: the rank keeps their augmentations apart
+            self._generator = torch.Generator().manual_seed((torch.initial_seed() + 1_000_003 * self.rank) % 2 ** 63)
+        return self.stage(collate_encoded(samples), self._generator)
+
+
+def _bytes_io(data: torch.Tensor):
+    import io
+
+    return io.BytesIO(data.numpy().tobytes())
