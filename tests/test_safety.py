@@ -161,6 +161,26 @@ def test_released_files_with_their_metadata_still_load(tmp_path):
     torch.testing.assert_close(generator.const, tiny_generator_state()["const"])
 
 
+@pytest.mark.parametrize("damage", ["empty", "not_safetensors", "truncated"])
+def test_broken_safetensors_name_the_file_and_the_setting(tmp_path, damage):
+    """A damaged weights file fails with its path and the setting that named it, not safetensors' bare
+    'Error while deserializing header'."""
+    from namodels.tasks.models import create_model, export_weights
+
+    good = export_weights(timm.create_model("nat_digits").state_dict(), str(tmp_path / "good.safetensors"),
+                          model_name="nat_digits", num_classes=10, source="test")
+    data = open(good, "rb").read()
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes({"empty": b"", "not_safetensors": b"not a safetensors file",
+                        "truncated": data[:len(data) // 2]}[damage])
+    with pytest.raises(ValueError, match=r"model.pretrained_file: '.*broken.safetensors' is not a readable "
+                                         r"safetensors file \(.*\)"):
+        create_model(dict(name="nat_digits", pretrained_file=str(broken)), 10)
+    with pytest.raises(ValueError, match=r"ckpt_path: '.*broken.safetensors' is not a readable safetensors file"):
+        load_generator(str(broken))
+    assert create_model(dict(name="nat_digits", pretrained_file=good), 10) is not None
+
+
 # ------------------------------------------------------------------------------------------------
 # Checkpoints are written atomically, beside their target
 # ------------------------------------------------------------------------------------------------

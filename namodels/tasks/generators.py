@@ -21,6 +21,7 @@ from torchvision.utils import make_grid, save_image
 from namodels.data.images import to_unit_range
 from namodels.models.stylenat import StyleNATDiscriminator, StyleNATGenerator, load_official_generator
 from namodels.tasks.checkpoints import load_checkpoint_file
+from namodels.tasks.models import open_safetensors
 
 __all__ = ["DISPLAY_TILE", "build_generator", "build_discriminator", "load_generator", "grid_image", "save_grid",
            "tile_scale", "write_image"]
@@ -58,9 +59,7 @@ def load_generator(path: str, which: str = "g_ema", release_cfg: Mapping[str, An
         raise ValueError(f"ckpt_path: {path!r} does not exist")
     override = {} if backend is None else {"backend": backend}
     if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        with safe_open(path, "pt") as f:
+        with open_safetensors(path, "ckpt_path") as f:
             meta = f.metadata() or {}
             state = {k: f.get_tensor(k) for k in f.keys()}
         cfg = json.loads(meta.get("generator", "null") or "null")

@@ -7,6 +7,7 @@ timm/official state dict), ``drop_path_rate``, ``drop_rate`` and ``kwargs`` (pas
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -78,12 +79,28 @@ def check_input_size(model: nn.Module | None, img_size, model_name: str | None =
                      f"level's attention window is wider than its token map); set data.img_size={need} or more")
 
 
-def file_metadata(path: str) -> dict:
+@contextlib.contextmanager
+def open_safetensors(path: str, key: str):
+    """``safetensors.safe_open(path, framework="pt")``, which checks the header and that the file holds every
+    byte it declares; a file it cannot read (truncated, not safetensors) raises ``ValueError`` naming ``key``
+    (the setting that gave the path) and the file, where safetensors' own error names neither."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{key}: {path!r} is not a readable safetensors file ({err}); it may be truncated or "
+                         "damaged: copy or export it again") from err
+    with handle as f:
+        yield f
+
+
+def file_metadata(path: str, key: str = "model.pretrained_file") -> dict:
+    """The metadata of a ``.safetensors`` weights file (``{}`` for other files); reading it checks the file
+    (:func:`open_safetensors`) before timm loads it."""
     if not path.endswith(".safetensors"):
         return {}
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
+    with open_safetensors(path, key) as f:
         return dict(f.metadata() or {})
 
 
