@@ -384,6 +384,24 @@ def test_out_of_range_config_values(tmp_path, override, match):
         _train(tmp_path, override, "trainer.max_epochs=2")
 
 
+def test_trainer_value_of_the_wrong_type_names_its_key(tmp_path, monkeypatch):
+    """An interpolation resolving to a string where the Trainer takes an integer fails naming the key, before
+    the data and model are built (the Trainer accepted it and the run failed later with a TypeError)."""
+    monkeypatch.setenv("TEST_TRAINER_EPOCHS", "/home/someone")
+    with pytest.raises(ValueError, match=r"^trainer.max_epochs: expected an integer or null, got '/home/someone'"):
+        _train(tmp_path, "trainer.max_epochs=${oc.env:TEST_TRAINER_EPOCHS}")
+    with pytest.raises(ValueError, match=r"trainer.precision: expected .*'bf16-mixed'.*, got 'bf17'"):
+        _eval(tmp_path, "trainer.precision=bf17")
+    # the shipped configs pass
+    from namodels.tasks.overrides import trainer_value_errors
+
+    for name in _names("trainer"):
+        assert trainer_value_errors(compose_cfg("train", [f"trainer={name}"]).trainer) == [], name
+    for name in _names("experiment"):
+        cfg = compose_cfg("train", [f"experiment={name}"])
+        assert trainer_value_errors(cfg.trainer) == [], name
+
+
 def test_module_lr_scaling_and_weight_decay_groups():
     module = ClassificationModule(model=dict(name="nat_digits"), num_classes=10,
                                   optimizer=dict(lr=1e-3, lr_base_batch=1024, layer_decay=0.8))

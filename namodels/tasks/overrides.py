@@ -4,11 +4,17 @@ Hydra's "Key 'max_epoch' is not in struct" (or, added with ``+``, a TypeError fr
 ``trainer.<name>`` must be an argument of ``lightning.pytorch.Trainer``; an unknown one fails with the
 closest argument names.  Deeper keys (``trainer.strategy.find_unused_parameters``) are checked by their
 first part only.
+
+Once composed, the trainer config's plain values (numbers, strings, booleans, null; interpolations such as
+``${oc.env:HOME}`` resolved) are checked against the types the Trainer's signature declares
+(:func:`check_trainer_values`): ``trainer.max_epochs=${oc.env:HOME}`` fails naming the key, where the Trainer
+takes the string and the run fails later with a ``TypeError`` far from it.
 """
 from __future__ import annotations
 
 import difflib
 import inspect
+import typing
 
 # Keys of configs/trainer/*.yaml that are not Trainer arguments.
 CONFIG_KEYS = ("_target_", "defaults")
@@ -59,3 +65,67 @@ def check_overrides(args) -> None:
     messages = unknown_trainer_keys(args)
     if messages:
         raise SystemExit("Error: " + "\n       ".join(messages))
+
+
+_PLAIN = (bool, int, float, str, type(None))  # (the order the messages list them in)
+_KIND_NAMES = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _plain_choices(annotation) -> tuple[set[type], list]:
+    """The plain types and literal values an annotation admits (``Optional[int]``: ``{NoneType, int}``);
+    other members (classes, lists, dicts) admit no plain value."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or (origin is None and type(annotation).__name__ == "UnionType"):
+        types, literals = set(), []
+        for arg in typing.get_args(annotation):
+            t, lit = _plain_choices(arg)
+            types |= t
+            literals += lit
+        return types, literals
+    if origin is typing.Literal:
+        return set(), list(typing.get_args(annotation))
+    return ({annotation} if annotation in _PLAIN else set()), []
+
+
+def _admits(value, types: set[type], literals: list) -> bool:
+    if any(value == lit and type(value) is type(lit) for lit in literals):
+        return True
+    if isinstance(value, bool) or value is None:  # bool is an int to Python, not to a Trainer argument
+        return type(value) in types
+    if isinstance(value, int) and (int in types or float in types):
+        return True
+    return type(value) in types
+
+
+def trainer_value_errors(trainer_cfg) -> list[str]:
+    """One message per Trainer argument of ``trainer_cfg`` (a mapping, interpolations resolved on access) whose
+    plain value is of a type the argument's annotation does not admit; values that are configs or lists
+    (instantiated objects, device lists) are left to the Trainer."""
+    from lightning.pytorch import Trainer
+
+    try:
+        hints = typing.get_type_hints(Trainer.__init__)
+    except Exception:  # noqa: BLE001  annotations this Lightning cannot evaluate: the Trainer checks its own
+        return []
+    messages = []
+    for name in trainer_cfg:
+        if name not in hints:
+            continue
+        value = trainer_cfg[name]
+        if not isinstance(value, _PLAIN):
+            continue
+        types, literals = _plain_choices(hints[name])
+        if not (types or literals) or _admits(value, types, literals):
+            continue
+        kinds = [_KIND_NAMES[t] for t in _PLAIN if t in types and not (t is int and float in types)]
+        kinds += [repr(lit) for lit in literals]
+        messages.append(f"trainer.{name}: expected {' or '.join(kinds)}, got {value!r} "
+                        f"({_KIND_NAMES.get(type(value), type(value).__name__)})")
+    return messages
+
+
+def check_trainer_values(trainer_cfg) -> None:
+    """Raises ``ValueError`` with the messages of :func:`trainer_value_errors`, if there are any."""
+    messages = trainer_value_errors(trainer_cfg)
+    if messages:
+        raise ValueError("\n".join(messages))

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from .checkpoints import AtomicCheckpointIO, load_checkpoint_file
 from .console import drop_lightning_tips
 from .models import check_input_size
+from .overrides import check_trainer_values
 from .run_dirs import assign_run_folder
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ def fit(cfg: DictConfig) -> dict:
 
     check_stage(cfg, "fit", "train.py")
     check_task_inputs(cfg)
+    check_trainer_values(cfg.trainer)  # resolved values of the wrong type fail here, naming their key
     assign_run_folder(cfg)
     route_lightning_logs()
     started = time.time()
@@ -185,6 +187,7 @@ def evaluate(cfg: DictConfig):
     """What eval.py does: checks the task is an eval task, picks the run's folder, runs the task (a fit
     task's evaluation is its ``eval.run``, e.g. ``eval.py task=video``)."""
     check_stage(cfg, "eval", "eval.py")
+    check_trainer_values(cfg.trainer)
     assign_run_folder(cfg)
     run = cfg.task.run if cfg.task.get("stage") == "eval" else cfg.task.eval.run
     return instantiate(run)(cfg)
