@@ -208,6 +208,35 @@ def test_checkpoint_is_synced_then_renamed_into_place(tmp_path, monkeypatch):
     assert torch.equal(AtomicCheckpointIO().load_checkpoint(str(target))["w"], torch.ones(3))
 
 
+def test_checkpoints_and_exports_get_the_mode_of_the_other_outputs(tmp_path):
+    """Under umask 022 the checkpoints and exported weights are 0644, as the run's other files (tempfile.mkstemp
+    and safetensors' save_file make 0600 files); under umask 027, 0640."""
+    import stat
+
+    from namodels.tasks.checkpoints import atomic_save
+    from namodels.tasks.models import export_weights
+
+    def mode(path):
+        return stat.S_IMODE(os.stat(path).st_mode)
+
+    old = os.umask(0o022)
+    try:
+        cfg, summary = train(tmp_path)
+        outputs = [summary["best_checkpoint"], summary["last_checkpoint"], *summary["exported"]]
+        assert len(outputs) == 3
+        summary_file = os.path.join(cfg.paths.output_dir, "summary.json")
+        assert {os.path.basename(p): mode(p) for p in outputs + [summary_file]} == \
+            {os.path.basename(p): 0o644 for p in outputs + [summary_file]}
+        os.umask(0o027)
+        atomic_save({"w": torch.ones(2)}, str(tmp_path / "other" / "a.ckpt"))
+        export_weights({"w": torch.ones(2)}, str(tmp_path / "other" / "a.safetensors"), model_name="nat_digits",
+                       num_classes=10, source="test")
+        assert sorted(os.listdir(tmp_path / "other")) == ["a.ckpt", "a.safetensors"]  # no temporary file left
+        assert mode(tmp_path / "other" / "a.ckpt") == mode(tmp_path / "other" / "a.safetensors") == 0o640
+    finally:
+        os.umask(old)
+
+
 class KillDuringSave(pl.Callback):
     """Test-only: pads every checkpoint with ``ballast_mb`` MiB (so a save takes a while) and, during
     epoch ``epoch``, SIGKILLs its own process as soon as ``last.ckpt`` or a file beside it changes."""

@@ -6,21 +6,24 @@ allowlist adds exactly what released StyleNAT files hold beside their weights: `
 ``argparse.Namespace`` and numeric numpy scalars (FID values in ``eval_info``).  A file holding
 anything else is refused with a ``ValueError`` naming the file and the pickled type.
 
-Saving: :class:`AtomicCheckpointIO` (the Lightning plugin train.py installs) writes a checkpoint to a
-temporary file in the target's own folder, flushes and fsyncs it, then renames it over the target
-(``os.replace``) and fsyncs the folder.  A killed save leaves the previous checkpoint whole plus a
-``*.partial`` file, which :class:`ModelCheckpoint` removes when the next run starts.  Nothing goes
-through ``$TMPDIR``, so its size and filesystem do not matter.
+Saving: :func:`atomic_write` (used by :class:`AtomicCheckpointIO`, the Lightning plugin train.py installs, and
+by the weight exports) writes to a temporary file in the target's own folder, fsyncs it, then renames it over
+the target (``os.replace``) and fsyncs the folder.  A killed save leaves the previous file whole plus a
+``.<name>.<random>.partial`` file, which :class:`ModelCheckpoint` removes when the next run starts.  Nothing
+goes through ``$TMPDIR``, so its size and filesystem do not matter.  The file gets the mode any new file of
+the process gets (``0o666`` less the umask, as ``open`` gives), not the ``0o600`` of ``tempfile.mkstemp`` or of
+safetensors' ``save_file``: a checkpoint is as readable as the logs and metrics beside it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import logging
 import os
 import pickle
-import tempfile
-from typing import Any, Callable, Optional
+import secrets
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -96,24 +99,54 @@ def fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: str) -> None:
-    """``torch.save(obj, path)`` that never leaves ``path`` partly written: temporary file in the same
-    folder, flush + fsync, ``os.replace``, fsync of the folder."""
+def _new_partial(path: str) -> tuple[int, str]:
+    """A new, empty temporary file beside ``path`` (``.<name>.<random>.partial``), opened for writing and
+    created with mode ``0o666`` less the umask, as ``open`` creates files (``tempfile.mkstemp`` makes them
+    ``0o600``)."""
+    directory, name = os.path.split(path)
+    for _ in range(100):
+        partial = os.path.join(directory, f".{name}.{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
+        try:
+            return os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), partial
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary file name beside {path!r}")
+
+
+@contextlib.contextmanager
+def atomic_write(path) -> Iterator[str]:
+    """Yields the path of a temporary file beside ``path`` for the block to write (the file exists, empty; a
+    writer may also replace it).  When the block ends the file gets the mode a new file gets (a writer such as
+    safetensors' ``save_file`` creates its own with ``0o600``), is fsynced and renamed over ``path``, and the
+    folder is fsynced; if the block raises, the file is removed and ``path`` is left as it was."""
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=PARTIAL_SUFFIX)
+    fd, partial = _new_partial(path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        mode = os.fstat(fd).st_mode & 0o777  # what the umask (and a default ACL) leave of 0o666
+    finally:
+        os.close(fd)
+    try:
+        yield partial
+        os.chmod(partial, mode)
+        fd = os.open(partial, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(partial, path)
     except BaseException:
         if os.path.exists(partial):
             os.remove(partial)
         raise
     fsync_directory(directory)
+
+
+def atomic_save(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` that never leaves ``path`` partly written (:func:`atomic_write`)."""
+    with atomic_write(path) as partial, open(partial, "wb") as f:
+        torch.save(obj, f)
 
 
 def remove_partial_saves(directory: str) -> list[str]:

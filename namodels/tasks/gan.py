@@ -42,6 +42,7 @@ from torch import nn
 
 from namodels.data.decoding import UnreadableFiles
 from namodels.speed import CallingThreadBackward, optimizer_kwargs
+from namodels.tasks.checkpoints import atomic_write
 from namodels.tasks.clipping import clip_gradients
 from namodels.utils.distributed import SYNCED
 from namodels.tasks.generators import (DISPLAY_TILE, build_discriminator, build_generator, grid_image, load_generator,
@@ -445,10 +446,9 @@ class GANTask(CallingThreadBackward, L.LightningModule):
         paths = []
         for name, module in (("g_ema", self.g_ema), ("g", self.generator)):
             path = os.path.join(directory, f"{name}.safetensors")
-            partial = path + ".partial"  # written whole, then renamed: a reader never sees half a file
-            save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, partial,
-                      metadata=meta)
-            os.replace(partial, path)
+            with atomic_write(path) as partial:  # a reader never sees half a file; the umask's file mode
+                save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, partial,
+                          metadata=meta)
             paths.append(path)
         return paths
 

@@ -132,10 +132,10 @@ def export_weights(state_dict: dict, path: str, *, model_name: str, num_classes:
     pretrained_cfg_overlay=dict(file=path))`` loads; metadata records model name and class count."""
     from safetensors.torch import save_file
 
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    from .checkpoints import atomic_write
+
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in state_dict.items()}  # no shared storage
     meta = {META_MODEL: model_name, META_CLASSES: str(num_classes), META_SOURCE: json.dumps(source)}
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata=meta)
-    os.replace(tmp, path)  # atomic: a reader never sees a half-written file
+    with atomic_write(path) as partial:  # a reader never sees a half-written file; the umask's file mode
+        save_file(tensors, partial, metadata=meta)
     return path
