@@ -10,6 +10,7 @@ from typing import Sequence, Union
 
 import torch
 
+from .autodiff import check_call
 from .backends import Problem, select_backend
 from .window import NAParams
 
@@ -264,7 +265,10 @@ def _checked_call(rank, query, key, value, kernel_size, stride, dilation, is_cau
         requires_grad=torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (query, key, value, rpb)),
     )
-    return params, float(scale), select_backend(problem, backend)
+    impl = select_backend(problem, backend)
+    # forward-mode AD and torch.func transforms the backend does not serve raise here, before anything runs
+    check_call(f"{impl.name} backend", (query, key, value, rpb), getattr(impl, "functorch_transforms", ()))
+    return params, float(scale), impl
 
 
 def neighborhood_attention_qkvpacked(

@@ -37,8 +37,9 @@ import math
 
 import torch
 
+from .autodiff import check_call
 from .functional import check_rpb, check_tensor_pair, window_params
-from .gemm.autograd import AV, QK
+from .gemm.autograd import AV, QK, UNFUSED
 
 __all__ = ["na_qk", "na_av", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av", "na3d_av"]
 
@@ -75,6 +76,7 @@ def na_qk(rank: int, query, key, kernel_size, stride=1, dilation=1, is_causal=Fa
         raise ValueError(f"head dim: key head dim {key.shape[-1]} differs from query head dim {query.shape[-1]}")
     params = window_params(query, rank, kernel_size, stride, dilation, is_causal)
     check_rpb(rpb, query, params)
+    check_call(UNFUSED, (query, key, rpb))
     logits = _apply(QK, _flat(query, rank), _flat(key, rank), rpb, params)
     return logits.reshape(*query.shape[:-1], params.window_size)
 
@@ -91,6 +93,7 @@ def na_av(rank: int, attn, value, kernel_size, stride=1, dilation=1, is_causal=F
             f"attn: last dim must be prod(kernel_size) = {params.window_size} (one weight per window slot), "
             f"got {attn.shape[-1]}"
         )
+    check_call(UNFUSED, (attn, value))
     out = _apply(AV, _flat(attn, rank), _flat(value, rank), params)
     return out.reshape(*attn.shape[:-1], value.shape[-1])
 

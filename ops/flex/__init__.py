@@ -6,6 +6,9 @@ block sparsity wastes most of its work on 2-D/3-D windows, which is what the ``f
 fixes.  On CUDA the attention runs through ``torch.compile`` (flex's fast path); on CPU it runs
 eagerly unless ``ops.flex.COMPILE_ON_CPU`` is set (compiling costs seconds per new shape).
 
+Gradients (CUDA) are first order: the inputs pass through ``_FirstOrder``, whose backward makes a double backward
+raise (``ops.autodiff``), whatever torch's flex backward would do with one.
+
 flex multiplies whole blocks (CUDA) or the whole score matrix (CPU's eager reference) by the values, where a
 zero weight outside a window times a NaN (or infinite) value is NaN; a call whose values hold one runs again
 with them left out and marks the outputs whose windows hold one (``_contain_nonfinite``).
@@ -19,6 +22,7 @@ import threading
 
 import torch
 
+from ..autodiff import first_order_only, refuse_jvp
 from ..window import NAParams, admits
 
 log = logging.getLogger(__name__)
@@ -233,6 +237,37 @@ def _contain_nonfinite(q, k, v, score_mod, block_mask, scale, gqa):
     return out.masked_fill(hits > 0, float("nan"))
 
 
+WHO = "flex backend"  # (named by the refusals of ops.autodiff)
+
+
+class _FirstOrder(torch.autograd.Function):
+    """Identity on the attention's inputs whose backward is ``first_order_only``: gradients leaving a flex call pass
+    its node, so a second derivative through the call raises there, naming the backend."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+        return tensors
+
+    @staticmethod
+    @first_order_only(WHO)
+    def backward(ctx, *grads):
+        return grads
+
+    jvp = refuse_jvp(WHO)
+
+
+def _first_order(q, k, v, rpb):
+    """``(q, k, v, rpb)`` behind ``_FirstOrder`` where a backward can follow (eager; a compiled graph's backward is
+    refused a double backward by aot_autograd itself)."""
+    tensors = (q, k, v) if rpb is None else (q, k, v, rpb)
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return q, k, v, rpb
+    out = _FirstOrder.apply(*tensors)
+    return (*out, None) if rpb is None else out
+
+
 class FlexBackend:
     name = "flex"
 
@@ -248,6 +283,7 @@ class FlexBackend:
         return None
 
     def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
+        q, k, v, rpb = _first_order(q, k, v, rpb)
         b, hq, hkv = q.shape[0], q.shape[-2], k.shape[-2]
         n = params.num_tokens
         to_bhnd = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1]).transpose(1, 2)  # noqa: E731

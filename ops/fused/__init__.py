@@ -31,9 +31,12 @@ interpreted = kernels.interpreted
 
 class FusedBackend:
     name = "fused"
+    # torch.func transforms served (ops.autodiff.check_call): vmap runs the registered custom ops per batch element
+    functorch_transforms = ("vmap",)
 
     def unsupported(self, problem) -> str | None:
-        if problem.device.type != "cuda" and not interpreted():
+        # (meta tensors: shapes only, from the custom ops' fake implementations)
+        if problem.device.type not in ("cuda", "meta") and not interpreted():
             if os.environ.get("TRITON_INTERPRET") == "1":
                 return ("the fused kernels were imported before TRITON_INTERPRET=1 was set, so they are compiled "
                         "for CUDA; set it before importing ops.fused to run them on CPU")

@@ -2,7 +2,12 @@
 
 ``torch.compile(fullgraph=True)`` sees two opaque ops whose output shapes come from the fake
 implementations, and the autograd formula registered on the forward op (so compiled training
-graphs include the fused backward).  Autograd saves only q, k, v, rpb, out and lse.
+graphs include the fused backward).  Autograd saves only q, k, v, rpb, out and lse.  The fake
+implementations also serve meta tensors (shapes only).
+
+Gradients are first order (``ops.autodiff``): every backward here, the registered formulas and the eager
+``autograd.Function`` alike, is ``first_order_only`` (a double backward raises instead of losing the second-order
+terms), and forward-mode AD raises (the ``jvp`` of the eager functions; dual tensors reaching the ops' kernels).
 """
 from __future__ import annotations
 
@@ -11,7 +16,10 @@ from typing import Optional
 import torch
 
 from . import launch
+from ..autodiff import first_order_only, refuse_forward_ad, refuse_jvp
 from ..window import NAParams
+
+WHO = "fused backend"  # (named by the refusals of ops.autodiff)
 
 # dRPB sums over the batch in a free order (float32 atomics, like torch's own scatter-add backward) unless this is
 # True or torch.use_deterministic_algorithms(True) is on; the reproducible path moves B times the bytes.
@@ -27,6 +35,7 @@ def fused_na_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
     kernel_size: list[int], stride: list[int], dilation: list[int], is_causal: list[bool], scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    refuse_forward_ad(WHO, (q, k, v, rpb))  # the op has no tangent rule: a dual input would lose its tangent
     params = _params(q, kernel_size, stride, dilation, is_causal)
     return launch.forward(q, k, v, rpb, params, scale)
 
@@ -45,6 +54,7 @@ def fused_na_backward(
     kernel_size: list[int], stride: list[int], dilation: list[int], is_causal: list[bool], scale: float,
     deterministic: bool, want_drpb: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    refuse_forward_ad(WHO, (q, k, v, rpb, d_out, d_lse))
     params = _params(q, kernel_size, stride, dilation, is_causal)
     dq, dk, dv, drpb = launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, params, scale, deterministic, want_drpb)
     if drpb is None:  # custom ops return tensors only: an empty one stands for "no rpb gradient"
@@ -87,6 +97,7 @@ def _gradients(saved, d_out, d_lse, needs_input_grad, compute):
     return dq, dk, dv, (drpb if want_drpb else None)
 
 
+@first_order_only(WHO)
 def _backward(ctx, d_out, d_lse):
     kernel_size, stride, dilation, is_causal, scale = ctx.window
 
@@ -112,6 +123,7 @@ def fused_na_packed_forward(
     qkv: torch.Tensor, rpb: Optional[torch.Tensor],
     kernel_size: list[int], stride: list[int], dilation: list[int], is_causal: list[bool], scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    refuse_forward_ad(WHO, (qkv, rpb))
     q, k, v = qkv.unbind(-3)
     return launch.forward(q, k, v, rpb, _params(q, kernel_size, stride, dilation, is_causal), scale)
 
@@ -128,6 +140,7 @@ def fused_na_packed_backward(
     d_lse: Optional[torch.Tensor], kernel_size: list[int], stride: list[int], dilation: list[int],
     is_causal: list[bool], scale: float, deterministic: bool, want_drpb: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    refuse_forward_ad(WHO, (qkv, rpb, d_out, d_lse))
     d_qkv, drpb = packed_gradients(qkv, rpb, out, lse, d_out, d_lse,
                                    _params(qkv.unbind(-3)[0], kernel_size, stride, dilation, is_causal), scale,
                                    deterministic, want_drpb)
@@ -161,6 +174,7 @@ def _packed_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@first_order_only(WHO)
 def _packed_backward(ctx, d_out, d_lse):
     qkv, rpb, out, lse = ctx.saved_tensors
     kernel_size, stride, dilation, is_causal, scale = ctx.window
@@ -193,12 +207,15 @@ class _EagerFusedNA(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @first_order_only(WHO)
     def backward(ctx, d_out, d_lse):
         def compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb):
             return launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale, deterministic,
                                    want_drpb)
 
         return (*_gradients(ctx.saved_tensors, d_out, d_lse, ctx.needs_input_grad, compute), None, None)
+
+    jvp = refuse_jvp(WHO)
 
 
 class _EagerFusedNAPacked(torch.autograd.Function):
@@ -214,6 +231,7 @@ class _EagerFusedNAPacked(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @first_order_only(WHO)
     def backward(ctx, d_out, d_lse):
         qkv, rpb, out, lse = ctx.saved_tensors
         want_drpb = rpb is not None and ctx.needs_input_grad[1]
@@ -221,9 +239,13 @@ class _EagerFusedNAPacked(torch.autograd.Function):
                                        drpb_deterministic(), want_drpb)
         return d_qkv, (drpb if want_drpb else None), None, None
 
+    jvp = refuse_jvp(WHO)
 
-def _traced() -> bool:
-    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether the call takes the custom ops: traced code, functorch transforms, and meta tensors (shapes from the
+    fake implementations; the kernels need data)."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or t.is_meta
 
 
 def _needs_grad(q, k, v, rpb) -> bool:
@@ -233,7 +255,7 @@ def _needs_grad(q, k, v, rpb) -> bool:
 
 def attention(q, k, v, params: NAParams, rpb, scale: float, need_lse: bool = True):
     """``(out, lse)``; lse is None where ``need_lse`` is False and no backward will need it."""
-    if not _traced():
+    if not _traced(q):
         if not _needs_grad(q, k, v, rpb):  # inference: no autograd node to build
             return launch.forward(q, k, v, rpb, params, float(scale), need_lse)
         return _EagerFusedNA.apply(q, k, v, rpb, params, float(scale))
@@ -245,7 +267,7 @@ def attention(q, k, v, params: NAParams, rpb, scale: float, need_lse: bool = Tru
 
 def attention_qkvpacked(qkv, params: NAParams, rpb, scale: float, need_lse: bool = True):
     """``attention`` for packed ``qkv [B, *spatial, 3, H, D]``: ``(out, lse)``, lse None where not needed."""
-    if not _traced():
+    if not _traced(qkv):
         if not _needs_grad(qkv, qkv, qkv, rpb):
             q, k, v = qkv.unbind(-3)
             return launch.forward(q, k, v, rpb, params, float(scale), need_lse)

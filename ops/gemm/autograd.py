@@ -15,10 +15,15 @@ Tensors here are flat over space: ``[B, N, heads, dim]``.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ..autodiff import first_order_only, refuse_jvp
 from . import operators as op
 from .torch_tiled import compute_dtype
+
+
+# who the refusals of ``ops.autodiff`` name
+UNFUSED = "na_qk / na_av (gemm operators)"
+BACKEND = "gemm backend"
 
 
 class QK(torch.autograd.Function):
@@ -29,7 +34,7 @@ class QK(torch.autograd.Function):
         return op.pn(q, k, params, rpb=rpb, out_dtype=q.dtype)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only(UNFUSED)
     def backward(ctx, d_logits):
         q, k, rpb = ctx.saved_tensors
         params = ctx.params
@@ -42,6 +47,8 @@ class QK(torch.autograd.Function):
             drpb = op.rpb_grad(d_logits, params, rpb)
         return dq, dk, drpb, None
 
+    jvp = refuse_jvp(UNFUSED)
+
 
 class AV(torch.autograd.Function):
     @staticmethod
@@ -51,7 +58,7 @@ class AV(torch.autograd.Function):
         return op.nn(attn, v, params, out_dtype=v.dtype)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only(UNFUSED)
     def backward(ctx, d_out):
         attn, v = ctx.saved_tensors
         params = ctx.params
@@ -62,6 +69,8 @@ class AV(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dv = op.inn(attn, d_out, params, v.shape[2], out_dtype=v.dtype)
         return d_attn, dv, None
+
+    jvp = refuse_jvp(UNFUSED)
 
 
 class Attention(torch.autograd.Function):
@@ -76,16 +85,16 @@ class Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable
+    @first_order_only(BACKEND)
     def backward(ctx, d_out, d_lse):
-        if getattr(ctx, "logits_consumed", False):
-            raise RuntimeError(
-                "gemm backend: a second backward through the same attention call is not supported "
-                "(its saved logits were overwritten by dS to halve the memory); recompute the forward"
-            )
         q, k, v, rpb, logits, lse, out = ctx.saved_tensors
         params, scale = ctx.params, ctx.scale
         ct = lse.dtype
+        # dS is written over the saved logits (below).  A further backward over a retained graph (retain_graph=True,
+        # gradcheck) recomputes them first: one PN, bitwise the forward's.
+        logits = logits.data  # (writes through .data leave the saved tensor's version, so it can be unpacked again)
+        if getattr(ctx, "logits_consumed", False):
+            op.pn(q, k, params, scale=scale, rpb=rpb, out_dtype=ct, out=logits)
         if d_out is None:
             d_out = torch.zeros_like(out)
         d_out = d_out.contiguous()
@@ -95,7 +104,7 @@ class Attention(torch.autograd.Function):
         dv = op.inn(logits, d_out, params, v.shape[2], lse=lse, out_dtype=v.dtype)
         # dS feeds tensor-core GEMMs in the input precision anyway: store it in that precision there.
         ds_dtype = q.dtype if op.uses_triton(q, q.shape[-1], v.shape[-1]) else ct
-        # Where dS has the logits' precision it overwrites them (nothing reads the logits afterwards).
+        # Where dS has the logits' precision it overwrites them (nothing else reads them in this backward).
         in_place = ds_dtype == logits.dtype
         ds = op.pn(d_out, v, params, ds=(logits, lse, delta), out_dtype=ds_dtype, out=logits if in_place else None)
         ctx.logits_consumed = in_place
@@ -104,3 +113,5 @@ class Attention(torch.autograd.Function):
         dk = op.inn(ds, q, params, k.shape[2], scale=scale, out_dtype=k.dtype)
         drpb = op.rpb_grad(ds, params, rpb) if rpb is not None else None
         return dq, dk, dv, drpb, None, None
+
+    jvp = refuse_jvp(BACKEND)

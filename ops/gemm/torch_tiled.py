@@ -17,6 +17,7 @@ whose windows hold one (``_contained_matmul``), so they reach exactly those outp
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..window import NAParams
 from .tiles import pad_to_3d, torch_tile_shape, torch_tiles
@@ -140,6 +141,14 @@ def _contained_matmul(z, x, window):
     return out.masked_fill(torch.matmul(window, bad.to(window.dtype)) > 0, float("nan"))
 
 
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds no NaN / infinity (one check per call).  Tensors without data (meta, fake: shape
+    propagation) are taken as finite, which gives the output's shape without reading any value."""
+    if x.device.type == "meta" or is_fake(x):
+        return True
+    return bool(torch.isfinite(x).all())
+
+
 def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
     """Neighborhood-neighborhood: ``out[n, h] = scale * sum_w P[n, h, w] b[key(n, w), h // G]``.
 
@@ -154,7 +163,7 @@ def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
     tiles, bounds = _plan(params, lambda tq, th: B * (th * HB * DV + tq * HA * (2 * th + 2 * W + DV)), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
     b_hm = b.to(ct).permute(0, 2, 1, 3).contiguous()
-    finite = bool(torch.isfinite(b_hm).all())
+    finite = _all_finite(b_hm)
     for lo, hi in bounds:
         c = hi - lo
         ch = tiles.chunk(lo, hi, b.device)
@@ -184,7 +193,7 @@ def inn(w, x, params: NAParams, heads_kv: int, scale=1.0, lse=None, out_dtype=No
     tiles, bounds = _plan(params, lambda tq, th: B * (th * HB * DX + tq * HA * (2 * th + 2 * W + DX)), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
     x_hm = _head_major(x.to(ct), HB)
-    finite = bool(torch.isfinite(x_hm).all())
+    finite = _all_finite(x_hm)
     for lo, hi in bounds:
         c = hi - lo
         ch = tiles.chunk(lo, hi, x.device)

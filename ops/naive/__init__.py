@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..autodiff import first_order_only, refuse_jvp
 from ..backends import run_on_token_rows
 from ..window import NAParams, neighbor_table
 
@@ -133,7 +134,7 @@ class _NaiveAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only("naive backend")
     def backward(ctx, d_out, d_lse):
         q, k, v, rpb, out, lse = ctx.saved_tensors
         if d_out is None:
@@ -142,6 +143,8 @@ class _NaiveAttention(torch.autograd.Function):
         if drpb is not None:
             drpb = drpb.reshape(rpb.shape).to(rpb.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), drpb, None, None
+
+    jvp = refuse_jvp("naive backend")
 
 
 class NaiveBackend:
