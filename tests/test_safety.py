@@ -415,6 +415,52 @@ def test_gan_image_folder_skips_unreadable_files(tmp_path, monkeypatch):
     assert skipped == bad
 
 
+def _png_header(width: int, height: int) -> bytes:
+    """A 68-byte PNG whose header claims ``width`` x ``height`` RGB pixels (its data holds almost none)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(bytes(10))) + chunk(b"IEND", b""))
+
+
+def test_images_over_the_pixel_limit_are_refused_before_decoding(tmp_path, monkeypatch):
+    """Pillow warns above Image.MAX_IMAGE_PIXELS (89M pixels) and refuses only above twice that: images in
+    between were decoded (up to about 1.3 GB each).  They are refused from their header as decompression
+    bombs, skipped and reported by path."""
+    import warnings
+
+    from namodels.data.decoding import Unreadable, UnreadableImage, open_rgb
+    from namodels.data.images import ImageFolder
+    from namodels.data.sources import build_splits
+
+    big = tmp_path / "big.png"  # 100M pixels: over the default limit, under twice it
+    big.write_bytes(_png_header(10_000, 10_000))
+    with warnings.catch_warnings(), pytest.raises(UnreadableImage) as refused:
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # Pillow's own, from the header
+        open_rgb(str(big))
+    assert isinstance(refused.value.reason, Image.DecompressionBombError) and str(big) in str(refused.value)
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 40x40 = 1600 pixels: Pillow alone would only warn
+    root = tmp_path / "images"
+    for label in range(2):
+        for i in range(3):
+            _png(root / f"class{label}" / f"{i}.png", 60 + 120 * label)  # 12x12: read
+    bomb = _png(root / "class0" / "bomb.png", 100, size=40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        train_set, val_set = build_splits(dict(format="image_folder", root=str(root), val_fraction=0.25,
+                                               split_seed=0))
+        items = [ds[i] for ds in (train_set, val_set) for i in range(len(ds))]
+        assert [item.path for item in items if isinstance(item, Unreadable)] == [bomb]
+        assert sum(not isinstance(item, Unreadable) for item in items) == 6
+        gan = ImageFolder(str(root / "class0"), resolution=8, hflip=False)
+        assert [path for i in range(len(gan)) for path in gan[i][1]] == [bomb]
+
+
 def test_16_bit_png_keeps_its_brightness(tmp_path):
     from namodels.data.images import ImageFolder
     from namodels.data.sources import build_splits

@@ -4,9 +4,13 @@
   images (PNG ``I;16``, ``I``) are scaled to 8 bits (``value / 257``) instead of being clipped at 255,
   which turns most of a 16-bit picture white.
 * :class:`UnreadableImage` is raised for any file that cannot be decoded: truncated or not an image,
-  a decompression bomb (``PIL.Image.DecompressionBombError``), a dangling symlink or a vanished file.
-  Datasets catch it and skip the file, reporting its path as :class:`Unreadable`, so counts are of
-  files, not of read attempts.
+  a decompression bomb, a dangling symlink or a vanished file.  Datasets catch it and skip the file,
+  reporting its path as :class:`Unreadable`, so counts are of files, not of read attempts.
+* Decompression bombs: an image of more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels (Pillow's default: about
+  89 million) is refused from its header, before it is decoded (:func:`check_pixels`).  Pillow itself only
+  warns there and refuses at twice the limit, so an image of 89 to 179 million pixels would be decoded, with
+  its conversion copies up to about 1.3 GB in a loader worker.  The limit is Pillow's setting, read at each
+  call: ``PIL.Image.MAX_IMAGE_PIXELS = n`` raises or lowers it, ``None`` lifts it.
 """
 from __future__ import annotations
 
@@ -50,6 +54,17 @@ def to_rgb8(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def check_pixels(size: tuple[int, int], name: str) -> None:
+    """Raises :class:`UnreadableImage` (a ``DecompressionBombError``) naming ``name`` when an image of ``size``
+    (width, height) has more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (no limit when that is None)."""
+    limit = Image.MAX_IMAGE_PIXELS
+    width, height = size
+    if limit is not None and width * height > limit:
+        raise UnreadableImage(name, Image.DecompressionBombError(
+            f"{width}x{height} image has {width * height} pixels, over the limit of {int(limit)} "
+            "(PIL.Image.MAX_IMAGE_PIXELS); not decoded"))
+
+
 def open_rgb(source: Union[str, os.PathLike, BinaryIO, Image.Image], name: str | None = None) -> Image.Image:
     """Decodes ``source`` (a path, an open binary file or a PIL image) to 8-bit RGB, reading the whole
     file now (so a truncated file fails here); raises :class:`UnreadableImage` naming ``name``/the path."""
@@ -57,7 +72,8 @@ def open_rgb(source: Union[str, os.PathLike, BinaryIO, Image.Image], name: str |
     try:
         if isinstance(source, Image.Image):
             return to_rgb8(source)
-        with Image.open(source) as image:
+        with Image.open(source) as image:  # reads the header only
+            check_pixels(image.size, name)
             return to_rgb8(image)
     except DECODE_ERRORS as err:
         raise UnreadableImage(name, err) from err
