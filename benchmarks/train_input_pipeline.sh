@@ -3,7 +3,7 @@
 # (compiled as the recipe says, or eager), samples/s from the ThroughputMonitor (median of the run's second half of
 # windows), and the ratio.  Makes an ImageNet-like folder first when $ROOT has none (namodels.benchmark.jpeg_folder).
 # Usage (repo root, after `pip install -e .`, on a GPU machine):
-#   [ROOT=/tmp/imagenet_like] [PIPELINE=gpu|cpu] [WORKERS=10] bash benchmarks/train_input_pipeline.sh \
+#   [ROOT=/tmp/imagenet_like] [PIPELINE=gpu|cpu] [WORKERS=10 (CPU pipeline)] [GPU_WORKERS=6] bash benchmarks/train_input_pipeline.sh \
 #       [experiments (default: nat_tiny_in1k dinat_tiny_in1k)] [-- extra train.py overrides, e.g. model.compile=false]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -24,10 +24,11 @@ common=(trainer.max_epochs=1 trainer.limit_train_batches=$BATCHES trainer.limit_
         callbacks.curves=null callbacks.samples=null logger=csv export=false
         task.module.scheduler.warmup_epochs=0 task.module.scheduler.cooldown_epochs=0)
 for exp in "${exps[@]}"; do
-  for data in synthetic folder; do
+  for data in ${ORDER:-synthetic folder}; do
     tag=${exp}_${data}
     if [ $data = synthetic ]; then src=(data=synthetic data.num_classes=100 data.train_samples=$((BATCHES * 128)))
-    else src=(data.root=$ROOT data.num_classes=100 data.pipeline=$PIPELINE data.num_workers=$WORKERS); fi
+    else src=(data.root=$ROOT data.num_classes=100 data.pipeline=$PIPELINE data.num_workers=$WORKERS
+              data.gpu.workers=${GPU_WORKERS:-6}); fi
     rm -rf /tmp/run_$tag
     timeout ${RUN_TIMEOUT:-540} python3 train.py experiment=$exp paths.output_dir=/tmp/run_$tag "${src[@]}" "${common[@]}" \
         "${extra[@]}" > "$OUT/$tag.log" 2>&1

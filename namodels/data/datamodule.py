@@ -9,8 +9,9 @@ Two input pipelines (``data.pipeline``) make the same uint8 batches:
   the training GPU, launched by the workers, a few batches ahead (:mod:`namodels.data.gpu_pipeline`).  A CPU's
   share of a GPU machine cannot decode and augment ImageNet as fast as one GPU trains NAT; the GPU pipeline can.
 
-``auto`` (the default) takes ``gpu`` for image files when the run trains on CUDA, else ``cpu``; in-memory sources
-(``digits``, ``synthetic``) have no files to decode and take ``cpu``.  Normalisation and random erasing run on the
+``auto`` takes ``gpu`` for image files when the run trains on CUDA, else ``cpu``; in-memory sources (``digits``,
+``synthetic``) have no files to decode and take ``cpu``.  The data configs choose ``cpu``: the GPU pipeline's rate
+alone is measured, a whole training run on it is not yet (docs/performance.md).  Normalisation and random erasing run on the
 batch's device after the transfer for both (``on_after_batch_transfer``, :mod:`namodels.data.device_transforms`).
 Mean/std, interpolation and crop_pct default to the model's pretrained config.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -47,6 +49,7 @@ DEFAULT_EVAL = dict(crop_pct=None, interpolation=None, mean=None, std=None)
 DEFAULT_GPU = dict(decoder="auto", workers=6, prefetch=2)
 PIPELINES = ("auto", "gpu", "cpu")
 FILE_FORMATS = ("folder", "tar", "image_folder")  # the formats with files to decode
+GPU_WORKER_TIMEOUT_S = 300
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -96,6 +99,7 @@ class ClassificationDataModule(pl.LightningDataModule):
         self.model_defaults: dict = {}
         self.train_set = self.val_set = None
         self._device_transform: DeviceNormalize | None = None
+        self.batch_fetched_at: float | None = None  # perf_counter() when the last batch left the loader
 
     # ---- configuration -------------------------------------------------------------------------
     @staticmethod
@@ -130,7 +134,7 @@ class ClassificationDataModule(pl.LightningDataModule):
             raise ValueError(f"data.eval: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_EVAL)}")
         check_range("data.eval.crop_pct", ev["crop_pct"], 0, 1, low_open=True, allow_none=True)
         cfg["eval"] = ev
-        cfg["pipeline"] = check_choice("data.pipeline", cfg.get("pipeline", "auto"), PIPELINES)
+        cfg["pipeline"] = check_choice("data.pipeline", cfg.get("pipeline", "cpu"), PIPELINES)
         gpu = {**DEFAULT_GPU, **(cfg.get("gpu") or {})}
         unknown = set(gpu) - set(DEFAULT_GPU)
         if unknown:
@@ -211,7 +215,9 @@ class ClassificationDataModule(pl.LightningDataModule):
         _, rank, _ = self._distribution()
         return DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=GPUCollate(stage, rank),
                           multiprocessing_context="spawn" if spawn else None, persistent_workers=False,
-                          prefetch_factor=int(self.cfg["gpu"]["prefetch"]) if workers else None, **kwargs)
+                          prefetch_factor=int(self.cfg["gpu"]["prefetch"]) if workers else None,
+                          # a worker that stops answering (a GPU decoder that cannot start) fails the run, not hangs it
+                          timeout=GPU_WORKER_TIMEOUT_S if workers else 0, **kwargs)
 
     def gpu_augment(self) -> GPUAugment:
         """The training split's flips and RandAugment / colour jitter, batched on the device."""
@@ -246,6 +252,12 @@ class ClassificationDataModule(pl.LightningDataModule):
         if trainer is None:
             return 1, 0, 0
         return trainer.world_size, trainer.global_rank, trainer.current_epoch
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Stamps when the loader handed the batch over (what :class:`~namodels.tasks.input_monitor.InputWaitMonitor`
+        counts as waiting for input; the transfer and the device transforms that follow are not)."""
+        self.batch_fetched_at = time.perf_counter()
+        return batch
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """The uint8 images of a batch on its device, normalised (random erasing as well while training)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 
 import torch
 
@@ -88,6 +89,9 @@ class TorchvisionDecoder:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         self.decode_jpeg, self.mode, self.device = decode_jpeg, ImageReadMode.RGB, device
+        # torchvision >= 0.29 warns on every call that its decoders move to TorchCodec; they still work
+        warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                                category=DeprecationWarning)
 
     def __call__(self, data: list[torch.Tensor], stream: torch.cuda.Stream | None) -> list[torch.Tensor | None]:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

@@ -1,8 +1,11 @@
 """Says when a training run is input-bound: the share of its time the training loop spends waiting for batches.
 
 The host queues a step's GPU work and comes back for the next batch long before the GPU has finished, so the time
-between the end of one training batch and the start of the next is the time spent getting a batch; while the
-input pipeline keeps up it is close to nothing.  Every ``every_n_batches`` batches this callback logs that share
+between the end of one training batch and the moment the loader hands over the next is the time spent waiting for
+input; while the input pipeline keeps up it is close to nothing.  The hand-over is stamped by a data module that
+sets ``batch_fetched_at`` (:class:`~namodels.data.datamodule.ClassificationDataModule` does, in
+``on_before_batch_transfer``): the transfer and device transforms after it are the step's work, not input waits,
+and they can block the host on a full launch queue.  Without the stamp the whole gap counts.  Every ``every_n_batches`` batches this callback logs that share
 (``train/input_wait``) and, the first time in an epoch it passes ``threshold``, warns with the pipeline and the
 worker count, the two settings that change it.
 """
@@ -36,8 +39,10 @@ class InputWaitMonitor(Callback):
         now = time.perf_counter()
         if self._last_end is None:  # the epoch's first batch: worker start-up is not a steady-state wait
             self._window_start = now
-        else:
-            self._waited += now - self._last_end
+            return
+        fetched = getattr(getattr(trainer, "datamodule", None), "batch_fetched_at", None)
+        handed_over = fetched if isinstance(fetched, float) and self._last_end <= fetched <= now else now
+        self._waited += handed_over - self._last_end
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()

@@ -1,0 +1,56 @@
+"""InputWaitMonitor: the share of training time spent waiting for batches, and its warning."""
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from namodels.tasks.input_monitor import InputWaitMonitor
+
+
+class _Module:
+    def __init__(self):
+        self.logged = []
+
+    def log(self, name, value, **kwargs):
+        self.logged.append((name, value))
+
+
+def _run(monitor, batches, load_s, step_s, transfer_s=0.0):
+    """Simulated loop: wait ``load_s`` for a batch, stamp the hand-over, ``transfer_s`` of transfer, ``step_s``."""
+    dm = SimpleNamespace(batch_fetched_at=None, cfg={"num_workers": 3}, pipeline=lambda: "cpu")
+    trainer = SimpleNamespace(datamodule=dm, current_epoch=0)
+    module = _Module()
+    monitor.on_train_epoch_start(trainer, module)
+    for i in range(batches):
+        time.sleep(load_s)
+        dm.batch_fetched_at = time.perf_counter()
+        time.sleep(transfer_s)
+        monitor.on_train_batch_start(trainer, module, None, i)
+        time.sleep(step_s)
+        monitor.on_train_batch_end(trainer, module, None, None, i)
+    return module
+
+
+def test_an_input_bound_loop_is_reported_once_per_epoch(caplog):
+    monitor = InputWaitMonitor(threshold=0.2, every_n_batches=5)
+    with caplog.at_level(logging.WARNING):
+        module = _run(monitor, 11, load_s=0.01, step_s=0.005)
+    fractions = [v for name, v in module.logged if name == "train/input_wait"]
+    assert len(fractions) == 2 and all(0.45 < f < 0.9 for f in fractions)
+    warnings = [r for r in caplog.records if "input-bound" in r.getMessage()]
+    assert len(warnings) == 1 and "data.num_workers=3" in warnings[0].getMessage()
+
+
+def test_transfer_after_the_hand_over_is_not_an_input_wait(caplog):
+    monitor = InputWaitMonitor(threshold=0.2, every_n_batches=5)
+    with caplog.at_level(logging.WARNING):
+        module = _run(monitor, 6, load_s=0.0, step_s=0.005, transfer_s=0.01)
+    assert [v for name, v in module.logged if name == "train/input_wait"][0] < 0.1
+    assert not [r for r in caplog.records if "input-bound" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kwargs", [dict(threshold=0), dict(threshold=1.5), dict(every_n_batches=0)])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        InputWaitMonitor(**kwargs)
