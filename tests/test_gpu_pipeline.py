@@ -198,3 +198,21 @@ def test_gpu_decoders_match_the_cpu_path(folder, decoder):
         assert images.device.type == "cuda" and images.dtype == torch.uint8 and images.shape[1:] == (3, 224, 224)
         count += images.shape[0] + len(skipped)
     assert count == len(loader) * 8
+
+
+@pytest.mark.parametrize("fmt", ["tar", "image_folder"])
+def test_every_file_layout_reaches_the_stage(folder, tmp_path, fmt):
+    import tarfile
+
+    if fmt == "tar":
+        for split in ("train", "val"):
+            with tarfile.open(tmp_path / f"{split}.tar", "w") as tar:
+                tar.add(f"{folder}/{split}", arcname=".")
+        dm = _module(str(tmp_path), format="tar")
+    else:
+        dm = _module(f"{folder}/train", format="image_folder", val_fraction=0.2)
+    encoded = EncodedImages(dm.train_set, CropSampler())
+    batch = collate_encoded([encoded[i] for i in range(len(encoded))])
+    images, targets, skipped = TrainStage("auto", CPU, 32, None)(batch, torch.Generator())
+    assert images.shape[0] + len(skipped) == len(dm.train_set) and len(skipped) <= 1
+    assert targets.max() < 3
