@@ -2,8 +2,8 @@
 
 ``os.walk(root, followlinks=True)`` (what timm's folder reader uses) enters a link to a directory above it again and
 again, until the path holds more links than the system resolves: a folder of 20 images with such a loop lists each
-of them 41 times, under different paths, so a random train/val split puts the same image in both.  It also lists a directory reached
-through two paths (a link to a sibling folder) twice.
+of them 41 times, under different paths, so a random train/val split puts the same image in both.  It also lists a
+directory reached through two paths (a link to a sibling folder) twice.
 
 :func:`find_image_files` walks the folder itself and keeps the real path of every directory and file it has read:
 
