@@ -216,3 +216,13 @@ def test_every_file_layout_reaches_the_stage(folder, tmp_path, fmt):
     images, targets, skipped = TrainStage("auto", CPU, 32, None)(batch, torch.Generator())
     assert images.shape[0] + len(skipped) == len(dm.train_set) and len(skipped) <= 1
     assert targets.max() < 3
+
+
+def test_images_over_the_pixel_limit_are_skipped_before_decoding(folder, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200 * 200)
+    dm = _module(folder)
+    encoded = EncodedImages(dm.train_set, CropSampler())
+    samples = [encoded[i] for i in range(len(encoded))]
+    refused = [s for s in samples if not hasattr(s, "encoded")]
+    assert refused and all(hasattr(s, "path") for s in refused)
+    assert all(s.size[0] * s.size[1] <= 200 * 200 for s in samples if hasattr(s, "encoded"))

@@ -21,7 +21,7 @@ from PIL import Image
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torch.utils.data import Dataset
 
-from .decoding import DECODE_ERRORS, Unreadable, UnreadableImage, open_rgb
+from .decoding import DECODE_ERRORS, Unreadable, UnreadableImage, check_pixels, open_rgb
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class EncodedImages(Dataset):
         with Image.open(io.BytesIO(data)) as header:
             width, height = header.size
             gpu = header.format == "JPEG" and header.mode in GPU_JPEG_MODES
+        check_pixels((width, height), name)  # a decompression bomb is refused before any decoder sees it
         if gpu:
             return EncodedSample(torch.frombuffer(bytearray(data), dtype=torch.uint8), True, (height, width),
                                  target, name)
