@@ -58,26 +58,31 @@ def batch_size(batch) -> int:
     return 0 if batch is None or batch[0] is None else int(batch[0].shape[0])
 
 
-def schedule_epochs(sched: dict, max_epochs) -> tuple[int, float]:
-    """(schedule epochs, warm-up epochs) of the learning-rate schedule inside ``trainer.max_epochs``.
+def schedule_epochs(sched: dict, max_epochs) -> tuple[int, float, int]:
+    """(schedule epochs, warm-up epochs, cooldown epochs) of the learning-rate schedule inside
+    ``trainer.max_epochs``.
 
-    A warm-up that would fill the whole schedule (a short run of a recipe, e.g. ``trainer.max_epochs=1``
-    with the digits recipe's 1 warm-up epoch) is shortened to half the schedule, with a warning naming
-    the key; cooldown epochs that leave no schedule at all are an error naming theirs.
+    A short run of a recipe (``trainer.max_epochs=1`` with the ImageNet recipe's 10 cooldown and 20 warm-up
+    epochs) adapts, with a warning naming each key it shortens: cooldown epochs that leave no schedule epoch
+    are cut to half the run (rounded down), then a warm-up that would fill the whole schedule is cut to half
+    the schedule.
     """
     if max_epochs is None or max_epochs < 1:
         raise ValueError(f"trainer.max_epochs: the epoch-based schedule needs max_epochs >= 1, got {max_epochs}")
-    epochs = max_epochs - sched["cooldown_epochs"]
-    if epochs < 1:
-        raise ValueError(f"task.module.scheduler.cooldown_epochs: {sched['cooldown_epochs']} cooldown epochs leave "
-                         f"no schedule in trainer.max_epochs={max_epochs}; lower it or raise max_epochs")
+    cooldown = sched["cooldown_epochs"]
+    if max_epochs - cooldown < 1:
+        log.warning("task.module.scheduler.cooldown_epochs=%s does not fit trainer.max_epochs=%d: cooling down "
+                    "for %d epochs instead (set task.module.scheduler.cooldown_epochs to choose)", cooldown,
+                    max_epochs, max_epochs // 2)
+        cooldown = max_epochs // 2
+    epochs = max_epochs - cooldown
     warmup = sched["warmup_epochs"]
     if warmup >= epochs:
         log.warning("task.module.scheduler.warmup_epochs=%s does not fit a %d-epoch schedule "
                     "(trainer.max_epochs=%d): warming up for %.3g epochs instead (set "
                     "task.module.scheduler.warmup_epochs to choose)", warmup, epochs, max_epochs, epochs / 2)
         warmup = epochs / 2
-    return epochs, warmup
+    return epochs, warmup, cooldown
 
 
 class ClassificationModule(CallingThreadBackward, pl.LightningModule):
@@ -106,9 +111,7 @@ class ClassificationModule(CallingThreadBackward, pl.LightningModule):
         self.data_config = resolve_model_data_config(self.model)
         self.ema = ModelEmaV3(self.model, decay=ema_cfg["decay"], use_warmup=ema_cfg["warmup"]) \
             if ema_cfg["enabled"] else None
-        mode = compile_mode(compile)
-        if mode:  # in place: parameter names (and checkpoints) stay the same
-            self.model.compile(options=compile_options(mode))
+        self._compile = compile_mode(compile)  # applied in setup, once the run's device is known
 
         self.mixup_fn = None
         if mix["mixup_alpha"] > 0 or mix["cutmix_alpha"] > 0 or mix["cutmix_minmax"] is not None:
@@ -160,6 +163,25 @@ class ClassificationModule(CallingThreadBackward, pl.LightningModule):
         if self.ema is not None and isinstance(self.trainer.strategy, FSDPStrategy):
             raise ValueError("task.module.ema.enabled: the weight EMA is not supported with trainer=fsdp "
                              "(it would be sharded with the model); use trainer=ddp or disable the EMA")
+        self.compile_for(self.trainer.strategy.root_device)
+
+    def compile_for(self, device: torch.device) -> bool:
+        """Compiles the model in place (parameter names and checkpoints unchanged) in ``model.compile``'s mode
+        when the run trains on a CUDA device; returns whether it did.  Called by ``setup``, once.
+
+        On any other device the model runs eagerly and one log line names ``model.compile``: the recipes'
+        ``reduce-overhead`` replays CUDA graphs, which need a GPU, and on a CPU the NA models do not compile
+        (the gemm backend's dispatch breaks the graph at every NA call, the blocks recompile with dynamic shapes
+        and inductor fails on their symbolic strides: ``cannot determine truth value of Relational``)."""
+        mode, self._compile = self._compile, None
+        if not mode:
+            return False
+        if torch.device(device).type != "cuda":
+            log.info("model.compile=%s is not applied on the %s device: the model runs eagerly (compiling pays "
+                     "on CUDA only)", mode, torch.device(device).type)
+            return False
+        self.model.compile(options=compile_options(mode))
+        return True
 
     # ---- forward -------------------------------------------------------------------------------
     def _backend(self):
@@ -316,7 +338,7 @@ class ClassificationModule(CallingThreadBackward, pl.LightningModule):
                                         layer_decay=opt["layer_decay"], **kwargs,
                                         **optimizer_kwargs(opt["name"], self.device))
         max_epochs = self.trainer.max_epochs
-        epochs, warmup = schedule_epochs(sched, max_epochs)
+        epochs, warmup, cooldown = schedule_epochs(sched, max_epochs)
         updates_per_epoch = max(1, int(self.trainer.estimated_stepping_batches) // max_epochs)
         scheduler, _ = create_scheduler_v2(
             optimizer, sched=sched["name"], num_epochs=epochs, warmup_epochs=warmup,
@@ -324,8 +346,7 @@ class ClassificationModule(CallingThreadBackward, pl.LightningModule):
             step_on_epochs=False, updates_per_epoch=updates_per_epoch,
         )
         log.info("lr %.3g (%s x global batch %d / %d), %d updates/epoch, %d schedule epochs + %d cooldown",
-                 lr, opt["lr"], global_batch, opt["lr_base_batch"], updates_per_epoch, epochs,
-                 sched["cooldown_epochs"])
+                 lr, opt["lr"], global_batch, opt["lr_base_batch"], updates_per_epoch, epochs, cooldown)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
