@@ -8,9 +8,11 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
+    from namodels.tasks.overrides import reported_config_errors
     from namodels.tasks.runner import evaluate
 
-    evaluate(cfg)
+    with reported_config_errors(cfg):  # a config error: one line naming the key, no traceback
+        evaluate(cfg)
 
 
 if __name__ == "__main__":

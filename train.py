@@ -11,9 +11,11 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    from namodels.tasks.overrides import reported_config_errors
     from namodels.tasks.runner import fit
 
-    fit(cfg)
+    with reported_config_errors(cfg):  # a config error: one line naming the key, no traceback
+        fit(cfg)
 
 
 if __name__ == "__main__":

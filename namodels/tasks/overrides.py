@@ -3,7 +3,13 @@ Hydra's "Key 'max_epoch' is not in struct" (or, added with ``+``, a TypeError fr
 
 ``trainer.<name>`` must be an argument of ``lightning.pytorch.Trainer``; an unknown one fails with the
 closest argument names.  Deeper keys (``trainer.strategy.find_unused_parameters``) are checked by their
-first part only.
+first part only.  configs/trainer/default.yaml lists every Trainer argument, so each one is set without ``+``
+(``trainer.max_steps=50``); ``callbacks`` and ``logger`` come from their own config groups, and
+``trainer.callbacks`` / ``trainer.logger`` fail naming the group.
+
+A run's config errors (a ``ValueError`` whose message starts with the config key to change, such as
+``data.batch_size: 128 exceeds the 24 training images ...``) end train.py / eval.py with that message alone on
+one line, not a traceback through Lightning (:func:`reported_config_errors`).
 
 Once composed, the trainer config's plain values (numbers, strings, booleans, null; interpolations such as
 ``${oc.env:HOME}`` resolved) are checked against the types the Trainer's signature declares
@@ -12,12 +18,19 @@ takes the string and the run fails later with a ``TypeError`` far from it.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
+import os
+import re
 import typing
 
 # Keys of configs/trainer/*.yaml that are not Trainer arguments.
 CONFIG_KEYS = ("_target_", "defaults")
+# Trainer arguments that train.py / eval.py build from groups of their own (configs/trainer/default.yaml lists
+# every other one): the override that sets them instead.
+GROUP_ARGUMENTS = {"callbacks": "the callbacks group: callbacks.<name>=null or callbacks.<name>.<key>=<value>",
+                   "logger": "the logger group: logger=csv | tensorboard | none"}
 
 
 def trainer_arguments() -> set[str]:
@@ -51,6 +64,9 @@ def unknown_trainer_keys(args) -> list[str]:
     known = trainer_arguments()
     messages = []
     for name in names:
+        if name in GROUP_ARGUMENTS:
+            messages.append(f"trainer.{name}: set by {GROUP_ARGUMENTS[name]}")
+            continue
         if name in known:
             continue
         close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
@@ -129,3 +145,36 @@ def check_trainer_values(trainer_cfg) -> None:
     messages = trainer_value_errors(trainer_cfg)
     if messages:
         raise ValueError("\n".join(messages))
+
+
+# "data.batch_size: ...", "ckpt_path=last: ...", "task: ...": the message starts with the key to change.
+_KEY_PREFIX = re.compile(r"^([A-Za-z_]\w*)(?:\.\w+)*(?:=[^\s:]*)?: ")
+
+
+def config_error_key(err: BaseException, cfg) -> str | None:
+    """The config key a ``ValueError`` names at the start of its message, when its first part is a key of ``cfg``
+    (what the project's checks raise); None for any other error (a bug, a library's own ``ValueError``)."""
+    if not isinstance(err, ValueError):
+        return None
+    match = _KEY_PREFIX.match(str(err))
+    if match is None or match.group(1) not in cfg:
+        return None
+    return match.group(0)[:-2]
+
+
+@contextlib.contextmanager
+def reported_config_errors(cfg):
+    """Around a run: a config error (:func:`config_error_key`) exits with ``Error: <message>`` (exit status 1),
+    its traceback left out (``HYDRA_FULL_ERROR=1`` keeps it), and the run's fresh folder, which holds no output,
+    is removed (:func:`namodels.tasks.run_dirs.discard_unused_folder`).  Other errors pass unchanged."""
+    try:
+        yield
+    except ValueError as err:
+        if config_error_key(err, cfg) is None:
+            raise
+        from .run_dirs import discard_unused_folder
+
+        discard_unused_folder(cfg)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        raise SystemExit("Error: " + str(err).replace("\n", "\n       ")) from None

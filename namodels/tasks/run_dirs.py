@@ -7,6 +7,8 @@
   already holds a run's outputs is refused unless the run resumes it (``ckpt_path=last``).
 * Several processes started by torchrun or SLURM agree on one folder without talking to each other:
   it is named after the launcher's job (``slurm-<job id>``, ``torchrun-<rdzv id>``).
+* A run stopped by a config error before it wrote any output leaves no folder behind
+  (:func:`discard_unused_folder`).
 
 Under Hydra, :class:`RunFolderCallback` picks the folder before Hydra creates its run directory, so
 ``.hydra/`` and the log file land in the run's folder too; ``fit`` / ``evaluate`` pick it themselves
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -24,6 +27,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 log = logging.getLogger(__name__)
 
 VERSION = re.compile(r"^version_(\d+)$")
+# The version_N folders this process created (new_version): the only ones discard_unused_folder may remove.
+_CREATED: set[str] = set()
 # What a folder holds once a run has used it: such a folder is never handed to a fresh run.
 RUN_OUTPUTS = ("checkpoints", "summary.json", "export", "results.json", "images", "fid.json")
 
@@ -45,6 +50,7 @@ def new_version(run_dir: str) -> str:
         name = f"version_{number}"
         try:
             os.mkdir(os.path.join(run_dir, name))
+            _CREATED.add(os.path.normpath(os.path.abspath(os.path.join(run_dir, name))))
             return name
         except FileExistsError:
             number += 1
@@ -115,6 +121,28 @@ def assign_run_folder(cfg: DictConfig, pinned_folder: str | None = None) -> str:
         check_unused(folder)
     os.makedirs(folder, exist_ok=True)
     return _set(cfg, folder, os.path.basename(folder))
+
+
+def discard_unused_folder(cfg: DictConfig) -> bool:
+    """Removes this run's folder after a config error stopped the run: only a ``version_N`` this process created
+    for a fresh run, and only while it holds none of ``RUN_OUTPUTS`` (Hydra's ``.hydra/`` and log file, and the
+    loggers' first files, are all a failed start leaves); the ``run_name`` folder goes too if that leaves it
+    empty.  Returns whether the folder was removed."""
+    folder = OmegaConf.select(cfg, "paths.output_dir", default=None, throw_on_missing=False)
+    if not folder or _resumes(cfg) or OmegaConf.is_interpolation(cfg.paths, "output_dir"):
+        return False
+    folder = os.path.normpath(os.path.abspath(folder))
+    if folder not in _CREATED or not os.path.isdir(folder):
+        return False
+    if any(os.path.exists(os.path.join(folder, name)) for name in RUN_OUTPUTS):
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    _CREATED.discard(folder)
+    try:
+        os.rmdir(os.path.dirname(folder))  # only if empty
+    except OSError:
+        pass
+    return not os.path.exists(folder)
 
 
 def _pinned_run_dir(cfg: DictConfig) -> str | None:
