@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 
 import lightning.pytorch as pl
@@ -275,10 +276,10 @@ class ClassificationDataModule(pl.LightningDataModule):
         generator = torch.Generator()
         sampler = EpochSampler(self.train_set, world, rank, self.seed, epoch, generator)
         if len(sampler) < self.batch_size:
-            raise ValueError(
-                f"data.batch_size: {self.batch_size} exceeds the {len(sampler)} training images per process "
-                f"({len(self.train_set)} images over {world} processes); lower data.batch_size"
-            )
+            shared = f" per process ({len(self.train_set)} images over {world} processes)" if world > 1 else ""
+            more = " (or raise data.train_samples)" if self.cfg["format"] == "synthetic" else ""
+            raise ValueError(f"data.batch_size: {self.batch_size} exceeds the {len(sampler)} training images"
+                             f"{shared}; lower data.batch_size{more}")
         if self.pipeline() == "gpu":
             aug = self.cfg["augment"]
             crops = CropSampler(aug["scale"], aug["ratio"], aug["interpolation"])
@@ -303,8 +304,21 @@ class ClassificationDataModule(pl.LightningDataModule):
             return self._gpu_loader(EncodedImages(self.val_set), stage, batch_size, sampler=sampler)
         return self._loader(self.val_set, batch_size)
 
-    def _loader(self, dataset, batch_size, **kwargs) -> DataLoader:
+    def _worker_count(self) -> int:
+        """``data.num_workers``, capped at the CPUs this process may run on: more loader workers than CPUs only
+        contend (torch warns that the loader may slow down or freeze), as the ImageNet configs' 6-10 workers would
+        on a small machine.  The cap is logged once, naming the key."""
         workers = int(self.cfg.get("num_workers", 0))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if workers <= cpus:
+            return workers
+        if not getattr(self, "_logged_worker_cap", False):
+            self._logged_worker_cap = True
+            log.info("data.num_workers=%d: %d loader workers instead, one per CPU of this machine", workers, cpus)
+        return cpus
+
+    def _loader(self, dataset, batch_size, **kwargs) -> DataLoader:
+        workers = self._worker_count()
         return DataLoader(
             dataset, batch_size=batch_size, num_workers=workers, collate_fn=collate_skipping,
             pin_memory=bool(self.cfg.get("pin_memory", False)) and torch.cuda.is_available(),
