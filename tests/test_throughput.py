@@ -403,6 +403,24 @@ def test_report_marks_host_bound_steps():
     assert "train host-bound (2.00x GPU time)" in table and "infer host-bound" not in table
 
 
+def test_cpu_table_has_no_gpu_columns_or_targets(tmp_path):
+    """Rows measured on a CPU have no GPU time: the table is headed "infer ms" / "train ms" without "(GPU)" or
+    empty brackets, and the GPU speed targets (none of which a CPU run measures) are left out of the Markdown;
+    rows with GPU times keep both."""
+    cpu = dict(model="nat_digits", backend="naive", precision="fp32", infer_step_time=3.0, train_step_time=9.0,
+               infer_gpu_ms=None, train_gpu_ms=None)
+    table = report.markdown_table([cpu])
+    assert "| infer ms | train img/s | train ms |" in table and "GPU" not in table
+    assert "| 3.00 |" in table and "| 9.00 |" in table and report.targets_markdown([cpu]) == ""
+    paths = report.write_tables([cpu], str(tmp_path))
+    text = open(paths["md"]).read()
+    assert "not measured" not in text and "| target |" not in text
+    assert len(json.load(open(paths["json"]))["targets"]) == 4  # the JSON keeps every target, as null
+    gpu = dict(cpu, backend="fused", precision="bf16", infer_gpu_ms=2.5, train_gpu_ms=8.0)
+    assert "infer ms (GPU)" in report.markdown_table([gpu]) and "3.00 (2.50)" in report.markdown_table([gpu])
+    assert "| target | measured | met |" in report.targets_markdown([gpu])
+
+
 def test_compile_modes_and_optimizer_choice():
     from namodels.speed import compile_mode, compile_options, optimizer_kwargs
 

@@ -128,14 +128,26 @@ def _host_note(row: dict, phase: str) -> str | None:
     return None
 
 
+def has_gpu_times(rows: list[dict]) -> bool:
+    """Whether any row has a GPU time (rows measured on CUDA; CPU rows have none)."""
+    return any(r.get(f"{phase}_gpu_ms") is not None for r in rows for phase in ("infer", "train"))
+
+
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| model | backend | precision | compile | infer img/s | infer ms (GPU) | train img/s | train ms (GPU) "
+    """One line per row.  The step times show the GPU time in parentheses ("ms (GPU)" columns) only where some
+    row has one: a table of CPU rows is headed "infer ms" / "train ms"."""
+    gpu = has_gpu_times(rows)
+    ms = "ms (GPU)" if gpu else "ms"
+    head = (f"| model | backend | precision | compile | infer img/s | infer {ms} | train img/s | train {ms} "
             "| batch (inf/train) | infer mem GiB | train mem GiB | params M | GMACs (NA) | notes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         notes = "; ".join(x for x in (r.get("infer_error"), r.get("train_error"), _host_note(r, "infer"),
                                        _host_note(r, "train")) if x)
-        timed = lambda p: f"{_fmt(r.get(f'{p}_step_time'), 2)} ({_fmt(r.get(f'{p}_gpu_ms'), 2)})"  # noqa: E731
+
+        def timed(phase, r=r):
+            wall = _fmt(r.get(f"{phase}_step_time"), 2)
+            return f"{wall} ({_fmt(r.get(f'{phase}_gpu_ms'), 2)})" if gpu else wall
         mem = lambda v: _fmt(None if v is None else v / 1024, 2)  # noqa: E731
         lines.append("| " + " | ".join([
             r["model"], r["backend"], r["precision"], str(r.get("compile") or "eager"),
@@ -151,6 +163,10 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def targets_markdown(rows: list[dict]) -> str:
+    """The speed targets' table; empty for rows without GPU times (the targets are GPU ones: a CPU run measures
+    none of them, and the JSON keeps them all)."""
+    if not has_gpu_times(rows):
+        return ""
     lines = ["| target | measured | met |", "|---|---|---|"]
     for c in target_checks(rows):
         value = "not measured" if c["value"] is None else f"{c['value']:.2f}x"
@@ -175,7 +191,8 @@ def write_tables(rows: list[dict], out_dir: str, meta: dict | None = None, stem:
             f.write(" ".join(f"{k}: {v};" for k, v in meta.items() if k != "command") + "\n\n")
             if meta.get("command"):
                 f.write(f"Command: `{meta['command']}`\n\n")
-        f.write(markdown_table(rows) + "\n\n" + targets_markdown(rows) + "\n")
+        targets = targets_markdown(rows)
+        f.write(markdown_table(rows) + "\n" + (f"\n{targets}\n" if targets else ""))
     return paths
 
 

@@ -751,8 +751,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     rows = run_benchmarks(options, args.out, command=command, restart=restart if device.type == "cuda" else None,
                           deadline_at=deadline_at, progress=False if args.no_progress else None)
     print(report.markdown_table(rows))
-    print()
-    print(report.targets_markdown(rows))
+    targets = report.targets_markdown(rows)
+    if targets:  # GPU rows only
+        print()
+        print(targets)
     return rows
 
 
