@@ -1,11 +1,22 @@
-"""InputWaitMonitor: the share of training time spent waiting for batches, and its warning."""
+"""InputWaitMonitor: the share of training time spent waiting for batches, and its warning (on a simulated clock)."""
 import logging
-import time
 from types import SimpleNamespace
 
 import pytest
 
+from namodels.tasks import input_monitor
 from namodels.tasks.input_monitor import InputWaitMonitor
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
 
 
 class _Module:
@@ -16,37 +27,40 @@ class _Module:
         self.logged.append((name, value))
 
 
-def _run(monitor, batches, load_s, step_s, transfer_s=0.0):
+def _run(monkeypatch, monitor, batches, load_s, step_s, transfer_s=0.0):
     """Simulated loop: wait ``load_s`` for a batch, stamp the hand-over, ``transfer_s`` of transfer, ``step_s``."""
+    clock = _Clock()
+    monkeypatch.setattr(input_monitor, "time", clock)
     dm = SimpleNamespace(batch_fetched_at=None, cfg={"num_workers": 3}, pipeline=lambda: "cpu")
     trainer = SimpleNamespace(datamodule=dm, current_epoch=0)
     module = _Module()
     monitor.on_train_epoch_start(trainer, module)
     for i in range(batches):
-        time.sleep(load_s)
-        dm.batch_fetched_at = time.perf_counter()
-        time.sleep(transfer_s)
+        clock.advance(load_s)
+        dm.batch_fetched_at = clock.now
+        clock.advance(transfer_s)
         monitor.on_train_batch_start(trainer, module, None, i)
-        time.sleep(step_s)
+        clock.advance(step_s)
         monitor.on_train_batch_end(trainer, module, None, None, i)
     return module
 
 
-def test_an_input_bound_loop_is_reported_once_per_epoch(caplog):
+def test_an_input_bound_loop_is_reported_once_per_epoch(monkeypatch, caplog):
     monitor = InputWaitMonitor(threshold=0.2, every_n_batches=5)
     with caplog.at_level(logging.WARNING):
-        module = _run(monitor, 11, load_s=0.01, step_s=0.005)
+        module = _run(monkeypatch, monitor, 11, load_s=0.010, step_s=0.005)
     fractions = [v for name, v in module.logged if name == "train/input_wait"]
-    assert len(fractions) == 2 and all(0.45 < f < 0.9 for f in fractions)
+    # the first window starts at the first batch's start: 4 waits in 4 x 15 ms + 5 ms; then 5 in 75 ms
+    assert fractions == pytest.approx([0.040 / 0.065, 0.050 / 0.075])
     warnings = [r for r in caplog.records if "input-bound" in r.getMessage()]
     assert len(warnings) == 1 and "data.num_workers=3" in warnings[0].getMessage()
 
 
-def test_transfer_after_the_hand_over_is_not_an_input_wait(caplog):
+def test_transfer_after_the_hand_over_is_not_an_input_wait(monkeypatch, caplog):
     monitor = InputWaitMonitor(threshold=0.2, every_n_batches=5)
     with caplog.at_level(logging.WARNING):
-        module = _run(monitor, 6, load_s=0.0, step_s=0.005, transfer_s=0.01)
-    assert [v for name, v in module.logged if name == "train/input_wait"][0] < 0.1
+        module = _run(monkeypatch, monitor, 6, load_s=0.0, step_s=0.005, transfer_s=0.010)
+    assert [v for name, v in module.logged if name == "train/input_wait"] == [0.0]
     assert not [r for r in caplog.records if "input-bound" in r.getMessage()]
 
 
