@@ -5,7 +5,8 @@ totals, so the lines that matter (data, learning rate, metrics, the run folder) 
 * :class:`ModelSummary`: ``RichModelSummary`` without the FLOPs column and total when nothing was counted
   (Lightning counts FLOPs only for a module with an ``example_input_array``, and prints 0 otherwise);
 * :class:`ProgressBar`: ``RichProgressBar`` that shows "Epoch N" on step-bounded runs (``max_epochs=-1``), where
-  Lightning's "Epoch N/max_epochs - 1" reads "Epoch 0/-2", and shows the step loss read only every few batches.
+  Lightning's "Epoch N/max_epochs - 1" reads "Epoch 0/-2", shows the step loss read only every few batches, and
+  ends its total where the run ends when the module bounds the run itself (the GAN task's ``max_kimg``).
 """
 from __future__ import annotations
 
@@ -83,7 +84,12 @@ class ProgressBar(RichProgressBar):
     step keeps the host from queueing the next step meanwhile.  The tasks therefore log the step loss without
     ``prog_bar``; this bar shows ``step_metrics`` (logged values, by name) beside Lightning's, and reads them only
     every ``metrics_every_n_batches`` training batches (None: the trainer's ``log_every_n_steps``, when the loggers
-    read them anyway) and at the end of an epoch."""
+    read them anyway) and at the end of an epoch.
+
+    A module that stops the run itself (the GAN task stops at ``max_kimg``, which Lightning does not know) may
+    define ``train_batches_left()``: the training batches still to come, or None.  The bar's total is then the
+    epoch's batches or the run's end, whichever comes first (Lightning's total would be the whole epoch, and the bar
+    would stop part-way, e.g. at 250/1250)."""
 
     def __init__(self, *args: Any, metrics_every_n_batches: int | None = None,
                  step_metrics: Sequence[str] = ("train/loss_step",), **kwargs: Any) -> None:
@@ -94,6 +100,20 @@ class ProgressBar(RichProgressBar):
             raise ValueError(f"step_metrics: expected a list of metric names, got the string {step_metrics!r}")
         self.metrics_every_n_batches = metrics_every_n_batches
         self.step_metrics = tuple(step_metrics)
+        self._epoch_batches_done = 0  # this epoch's training batches finished when the bar's total is set
+
+    @property
+    def total_train_batches(self) -> int | float:
+        total = super().total_train_batches
+        left = getattr(self.trainer.lightning_module, "train_batches_left", None)
+        left = left() if callable(left) else None
+        if left is None:
+            return total
+        return min(total, self._epoch_batches_done + left)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._epoch_batches_done = 0
+        super().on_train_epoch_start(trainer, pl_module)
 
     def get_metrics(self, trainer, pl_module) -> dict:
         items = super().get_metrics(trainer, pl_module)
@@ -105,6 +125,7 @@ class ProgressBar(RichProgressBar):
         return items
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._epoch_batches_done = batch_idx + 1  # (a run resumed mid-epoch sets its total at its first batch)
         every = int(self.metrics_every_n_batches or trainer.log_every_n_steps or 1)
         if (batch_idx + 1) % every == 0:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -10,7 +10,9 @@ generator step and one G-EMA update:
   ``c = r1_interval / (r1_interval + 1)`` (``lr * c``, ``beta ** c``) so the regularised
   optimizer matches the unregularised one on average (StyleGAN2);
 * G EMA with a half-life counted in images: decay per step ``0.5 ** (global_batch / (half_life_kimg
-  * 1000))`` (= the release's ``0.5 ** (32 / 10000)`` at global batch 32);
+  * 1000))`` (= the release's ``0.5 ** (32 / 10000)`` at global batch 32), the half-life capped at
+  ``ema_rampup`` x the images seen so far (StyleGAN2-ADA's ``ema_rampup``): a run shorter than a few
+  half-lives would otherwise end with a G-EMA still close to its random initial weights;
 * TTUR: G lr = D lr / 4 unless ``lr_g`` is given; optional linear lr decay over a kimg range;
 * D gradient clipping (norm 5 in the release), optional G clipping;
 * progress is counted in images seen (``kimg``), not ``global_step`` (which Lightning advances on
@@ -57,6 +59,7 @@ __all__ = [
     "r1_penalty",
     "diff_augment",
     "ema_decay",
+    "ema_half_life",
     "lazy_regularization_hparams",
     "load_generator",
     "build_generator",
@@ -88,6 +91,17 @@ def ema_decay(global_batch: int, half_life_kimg: float = 10.0) -> float:
     if global_batch < 1 or half_life_kimg <= 0:
         raise ValueError(f"ema: need global_batch >= 1 and half_life_kimg > 0, got {global_batch}, {half_life_kimg}")
     return 0.5 ** (global_batch / (half_life_kimg * 1000.0))
+
+
+def ema_half_life(half_life_kimg: float, kimg_seen: float, rampup: float | None = None) -> float:
+    """The EMA half-life for a step taken after ``kimg_seen`` thousand images: ``half_life_kimg``, capped at
+    ``rampup * kimg_seen`` when ``rampup`` is given (StyleGAN2-ADA's ``ema_rampup``, 0.05 there), so that the
+    average spans at most that share of the training so far.  0 means no averaging yet (decay 0)."""
+    if rampup is not None and rampup < 0:
+        raise ValueError(f"ema_rampup: expected >= 0 or None, got {rampup}")
+    if rampup:
+        return min(half_life_kimg, rampup * kimg_seen)
+    return half_life_kimg
 
 
 def lazy_regularization_hparams(lr: float, betas, interval: int | None):
@@ -206,6 +220,10 @@ class GANTask(CallingThreadBackward, L.LightningModule):
         betas: Adam betas (0, 0.99).
         r1_gamma, r1_interval: R1 weight (10) and lazy interval in D steps (16; 0/None = off).
         ema_half_life_kimg: G EMA half-life in thousands of images (10).
+        ema_rampup: cap the half-life at this share of the images seen so far (0.05, StyleGAN2-ADA's value; None =
+            off, as the StyleNAT release): a short run ends with a G-EMA that follows the generator instead of one
+            still near its initial weights; a long run is affected only over its first ``ema_half_life_kimg /
+            ema_rampup`` kimg (200 at the defaults).
         bcr, bcr_real, bcr_fake, diffaug_policy: balanced consistency regularisation.
         d_clip, g_clip: gradient-norm clipping (5.0 for D in the release; None = off).
         style_mixing_prob: probability of mixing two latents in a G forward (0 in the release).
@@ -222,7 +240,7 @@ class GANTask(CallingThreadBackward, L.LightningModule):
     def __init__(self, generator: Mapping[str, Any] | None = None, discriminator: Mapping[str, Any] | None = None,
                  lr_d: float = 2e-4, lr_g: float | None = None, ttur: bool = True, betas=(0.0, 0.99),
                  r1_gamma: float = 10.0, r1_interval: int | None = 16, ema_half_life_kimg: float = 10.0,
-                 bcr: bool = False, bcr_real: float = 10.0, bcr_fake: float = 10.0,
+                 ema_rampup: float | None = 0.05, bcr: bool = False, bcr_real: float = 10.0, bcr_fake: float = 10.0,
                  diffaug_policy: str = "flip,translation,color,cutout", d_clip: float | None = 5.0,
                  g_clip: float | None = None, style_mixing_prob: float = 0.0,
                  lr_decay_start_kimg: float | None = None, lr_decay_end_kimg: float | None = None,
@@ -236,6 +254,9 @@ class GANTask(CallingThreadBackward, L.LightningModule):
                              f"{generator.get('size')}")
         if r1_interval is not None and r1_interval < 0:
             raise ValueError(f"r1_interval: expected >= 0 or None, got {r1_interval}")
+        if ema_half_life_kimg <= 0:
+            raise ValueError(f"ema_half_life_kimg: expected > 0, got {ema_half_life_kimg}")
+        ema_half_life(ema_half_life_kimg, 0.0, ema_rampup)  # validates ema_rampup early
         if not 0 <= style_mixing_prob <= 1:
             raise ValueError(f"style_mixing_prob: expected a probability, got {style_mixing_prob}")
         if (lr_decay_start_kimg is None) != (lr_decay_end_kimg is None) or (
@@ -258,6 +279,7 @@ class GANTask(CallingThreadBackward, L.LightningModule):
         self.register_buffer("images_seen", torch.zeros((), dtype=torch.long))
         self.register_buffer("d_steps", torch.zeros((), dtype=torch.long))
         self._host_counters: dict[str, int] | None = None
+        self._sampled_at: int | None = None  # d_steps of the last sample grid written
         self.unreadable = UnreadableFiles()
 
     def train(self, mode: bool = True):
@@ -282,7 +304,23 @@ class GANTask(CallingThreadBackward, L.LightningModule):
         self._host_counters = {"images_seen": int(self.images_seen), "d_steps": int(self.d_steps)}
 
     def on_train_end(self) -> None:
+        # the run's final grid, unless the last step wrote one already
+        if self.hparams.sample_every_n_steps and self._sampled_at != self._counter("d_steps"):
+            path = self.save_samples()
+            if path:
+                rank_zero_info(f"GAN task: final G-EMA samples at {self.kimg:.3f} kimg: {path}")
         self._host_counters = None
+
+    def train_batches_left(self) -> int | None:
+        """Training batches until ``max_kimg`` is reached (the progress bar's total), or None when the run has
+        no kimg bound or the batch size is not known yet."""
+        if self.hparams.max_kimg is None or self._trainer is None:
+            return None
+        batch = getattr(self.trainer.train_dataloader, "batch_size", None)
+        if not batch:
+            return None
+        left = self.hparams.max_kimg * 1000 - self._counter("images_seen")
+        return max(0, math.ceil(left / (batch * self.trainer.world_size) - 1e-9))
 
     @property
     def kimg(self) -> float:
@@ -394,7 +432,8 @@ class GANTask(CallingThreadBackward, L.LightningModule):
         logs["loss/g"] = g_loss.detach()
 
         global_batch = b * self.trainer.world_size
-        self.ema.decay = ema_decay(global_batch, hp.ema_half_life_kimg)
+        half_life = ema_half_life(hp.ema_half_life_kimg, self.kimg, hp.get("ema_rampup"))
+        self.ema.decay = ema_decay(global_batch, half_life) if half_life > 0 else 0.0
         self.ema.update(self.generator)
         self._advance("images_seen", global_batch)
         logs["kimg"] = torch.tensor(self.kimg)
@@ -425,6 +464,7 @@ class GANTask(CallingThreadBackward, L.LightningModule):
             root = self.trainer.default_root_dir if self.trainer is not None else "."
             path = os.path.join(root, "samples", f"kimg{self.kimg:09.3f}.png")
         imgs = self.g_ema.sample(n, seed=self.hparams.sample_seed, device=self.device)
+        self._sampled_at = self._counter("d_steps")
         grid = grid_image(imgs.float(), nrow=int(math.ceil(math.sqrt(n))), min_tile=self.hparams.sample_min_tile)
         write_image(grid, path)
         for logger in self.loggers:
