@@ -326,7 +326,8 @@ def test_default_cpu_run_halves_copy_last_frame_mse(tmp_path):
     subprocess.run([sys.executable, "train.py", "experiment=video_moving_digits", f"paths.root_dir={tmp_path}",
                     "callbacks.progress_bar=null", "logger=csv"], cwd=root, check=True, timeout=20 * 60)
     elapsed = time.time() - started
-    summary = json.load(open(tmp_path / "logs" / "video" / "video_nat_nano-moving_digits" / "summary.json"))
+    run = tmp_path / "logs" / "video" / "video_nat_nano-moving_digits-next_frame" / "version_0"
+    summary = json.load(open(run / "summary.json"))
     m = summary["metrics"]
     assert m["val/mse"] <= 0.5 * m["val/copy_mse"], m
     assert elapsed < 15 * 60, elapsed
