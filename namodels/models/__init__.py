@@ -2,7 +2,8 @@
 video NAT (``video.py``) and StyleNAT (``stylenat.py``)."""
 from .dinat_s import DiNAT_s
 from .nat import NAT
+from .pretrained import PretrainedWeightsUnavailable
 from .stylenat import StyleNATDiscriminator, StyleNATGenerator
 from .video import VideoNAT
 
-__all__ = ["NAT", "DiNAT_s", "VideoNAT", "StyleNATGenerator", "StyleNATDiscriminator"]
+__all__ = ["NAT", "DiNAT_s", "VideoNAT", "StyleNATGenerator", "StyleNATDiscriminator", "PretrainedWeightsUnavailable"]

@@ -22,6 +22,7 @@ from ops.layer_norm import LayerNorm as FastLayerNorm
 
 from .backbone import NABackbone, build_stages, check_model_arguments
 from .layers import init_weights
+from .pretrained import download_errors, with_local_weights
 from .nat import clean_state_dict, dilated
 
 __all__ = ["DiNAT_s", "checkpoint_filter_fn"]
@@ -121,12 +122,14 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
 
 def _create_dinat_s(variant: str, pretrained: bool = False, **kwargs) -> DiNAT_s:
     out_indices = kwargs.pop("out_indices", tuple(range(len(kwargs.get("depths", (1, 1, 1, 1))))))
-    return build_model_with_cfg(
-        DiNAT_s, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
-        **kwargs,
-    )
+    kwargs = with_local_weights(variant, pretrained, kwargs)  # no network: one clear error at once, no retries
+    with download_errors(variant, pretrained):
+        return build_model_with_cfg(
+            DiNAT_s, variant, pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
+            **kwargs,
+        )
 
 
 # The authors' files, linked from DiNAT.md and classification/dinats.py of
