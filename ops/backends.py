@@ -16,13 +16,18 @@ A backend is a module-level object with
   order, ``ops.autodiff.first_order_only``);
 * optionally ``attention_qkvpacked(qkv, params, rpb, scale, need_lse=True)``: the same on packed
   ``qkv [B, *spatial, 3, H, D]`` (``ops.neighborhood_attention_qkvpacked``), for backends whose backward writes the
-  packed gradient directly; the others get ``qkv.unbind(-3)``.
+  packed gradient directly; the others get ``qkv.unbind(-3)``;
+* optionally ``traced_attention(q, k, v, params, rpb, scale) -> (out, lse)``: the forward as plain tensor ops, what
+  a call runs while it is recorded into a graph (``tracing()``: ``torch.export``, ``torch.onnx.export``,
+  ``torch.jit.trace``): no autograd.Function (the TorchScript-based ONNX exporter drops in-place writes inside
+  one), no Python decision on tensor values, index tables as constants, chunks sized without the example's batch
+  size (so that the graph serves any batch).  Only backends with it are chosen automatically while tracing.
 
 Every registered backend is imported once when ``ops`` is imported (``load_all``), so that code
 traced by ``torch.compile`` never meets an import (dynamo cannot trace one: each would split the
 graph); a missing optional dependency (e.g. Triton) only disables the backend that needs it.
-``backend=None`` takes the first backend in ``PREFERENCE`` that serves the problem; the reasons
-others were rejected go to the ``ops.backends`` debug log.
+``backend=None`` takes the first backend in ``PREFERENCE`` that serves the problem (while tracing, the first that
+also has ``traced_attention``); the reasons others were rejected go to the ``ops.backends`` debug log.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .window import NAParams
 
@@ -60,6 +66,27 @@ def run_on_token_rows(apply, q, k, v, rpb, params: NAParams, scale: float):
     out, lse = apply(flat(q), flat(k), flat(v), rpb, params, scale)
     spatial = q.shape[1:-2]
     return out.reshape(b, *spatial, hq, v.shape[-1]), lse.reshape(b, *spatial, hq)
+
+
+def tracing() -> bool:
+    """Whether NA calls are being recorded into a graph that later runs without this Python code: ``torch.export``
+    (also under ``torch.onnx.export(dynamo=True)``) or ``torch.jit.trace`` (also under the TorchScript-based
+    ``torch.onnx.export(dynamo=False)``).  ``torch.compile`` is not tracing here: it keeps the eager backends."""
+    return torch.jit.is_tracing() or torch.compiler.is_exporting()
+
+
+@contextlib.contextmanager
+def constant_tensors():
+    """Tensors made in the block are real and unrecorded, whatever traces the call (fake tensors and proxies of
+    ``torch.export``, the recorder of ``torch.jit.trace``): index tables built here enter a traced graph as
+    constants, instead of as the ops that built them, and can be cached for later eager calls."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 @dataclass(frozen=True)
@@ -160,8 +187,12 @@ def select_backend(problem: Problem, requested: str | None):
             raise ValueError(f"backend: {name!r} cannot serve this problem: {reason}")
         return backend
     rejected = []
+    traced = tracing()
     for candidate in PREFERENCE:
         backend = load_backend(candidate)
+        if traced and not hasattr(backend, "traced_attention"):
+            rejected.append(f"{candidate}: has no traced forward (torch.export / ONNX / jit.trace)")
+            continue
         reason = backend.unsupported(problem)
         if reason is None and getattr(backend, "debug_only", lambda p: False)(problem):
             reason = "debug-only on these inputs (e.g. Triton interpreter on CPU); request it explicitly"

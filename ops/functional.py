@@ -11,7 +11,7 @@ from typing import Sequence, Union
 import torch
 
 from .autodiff import check_call
-from .backends import Problem, select_backend
+from .backends import Problem, select_backend, tracing
 from .window import NAParams
 
 IntOrTuple = Union[int, Sequence[int]]
@@ -296,7 +296,9 @@ def neighborhood_attention_qkvpacked(
     params, scale, impl = _checked_call(rank, query, key, value, kernel_size, stride, dilation, is_causal, rpb, scale,
                                         None, None, backend)
     packed = getattr(impl, "attention_qkvpacked", None)
-    if packed is not None:
+    if tracing() and hasattr(impl, "traced_attention"):
+        out, lse = impl.traced_attention(query, key, value, params, rpb, scale)
+    elif packed is not None:
         out, lse = packed(qkv, params, rpb, scale, need_lse=return_lse)
     else:
         out, lse = impl.attention(query, key, value, params, rpb, scale, need_lse=return_lse)
@@ -322,7 +324,11 @@ def neighborhood_attention(
     """N-D neighborhood attention (see ``na1d`` / ``na2d`` / ``na3d``)."""
     params, scale, impl = _checked_call(rank, query, key, value, kernel_size, stride, dilation, is_causal, rpb, scale,
                                         additional_keys, additional_values, backend)
-    out, lse = impl.attention(query, key, value, params, rpb, scale, need_lse=return_lse or additional_keys is not None)
+    if tracing() and hasattr(impl, "traced_attention"):  # recorded into a graph: the backend's plain tensor ops
+        out, lse = impl.traced_attention(query, key, value, params, rpb, scale)
+    else:
+        out, lse = impl.attention(query, key, value, params, rpb, scale,
+                                  need_lse=return_lse or additional_keys is not None)
     if additional_keys is not None:
         out_x, lse_x = _dense_attention(query, additional_keys, additional_values, scale)
         out, lse = merge_attention(out, lse, out_x, lse_x)

@@ -15,7 +15,7 @@ import torch
 
 from ..backends import run_on_token_rows
 from ..window import NAParams
-from . import operators
+from . import operators, torch_tiled
 from .autograd import AV, QK, Attention
 
 __all__ = ["BACKEND", "GemmBackend", "QK", "AV", "Attention", "operators"]
@@ -64,6 +64,17 @@ class GemmBackend:
     @torch.compiler.disable
     def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
         return run_on_token_rows(Attention.apply, q, k, v, rpb, params, scale)
+
+    def traced_attention(self, q, k, v, params: NAParams, rpb, scale):
+        # (differentiable by the recorded ops themselves: a traced module can still be trained)
+        return run_on_token_rows(_traced_forward, q, k, v, rpb, params, scale)
+
+
+def _traced_forward(q, k, v, rpb, params: NAParams, scale):
+    """``Attention.forward`` as plain tensor ops for a traced graph (``torch_tiled.attention_forward``): the tiled
+    PyTorch path on every device (a graph cannot hold the Triton launches), no autograd.Function (the
+    TorchScript-based ONNX exporter loses the in-place writes inside one)."""
+    return torch_tiled.attention_forward(q, k, v, params, scale, rpb)
 
 
 BACKEND = GemmBackend()

@@ -7,7 +7,8 @@
 All take flat-space tensors ``[B, N, heads, dim]`` and weights ``[B, N, heads, prod(K)]`` (slot order of
 ``ops.window.neighbor_table``).  ``IMPL`` (env ``NA_GEMM_IMPL``) forces one implementation: ``"torch"``
 or ``"triton"`` (the latter on CPU tensors only under ``TRITON_INTERPRET=1``); ``"auto"`` takes Triton
-for CUDA tensors of 16/32-bit floats and head dims up to 256, the PyTorch path otherwise.
+for CUDA tensors of 16/32-bit floats and head dims up to 256, the PyTorch path otherwise (and while tracing:
+``ops.backends.tracing()``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import os
 
 import torch
 
+from ..backends import tracing
 from ..window import NAParams, neighbor_table
 from . import torch_tiled
 
@@ -36,6 +38,8 @@ def triton_reason(device: torch.device, dtype: torch.dtype, *dims: int) -> str |
     """Why the Triton kernels cannot serve these inputs (None = they can)."""
     if IMPL == "torch":
         return "NA_GEMM_IMPL=torch"
+    if tracing():
+        return "traced calls record the PyTorch path (a graph cannot hold Triton launches)"
     module = _triton_module()
     if module is None:
         return "triton is not installed"

@@ -7,10 +7,12 @@ memory is bounded too.  Runs on any device and dtype (math in float32, float64 f
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..autodiff import first_order_only, refuse_jvp
-from ..backends import run_on_token_rows
+from ..backends import constant_tensors, run_on_token_rows
 from ..window import NAParams, neighbor_table
 
 # Upper bound on the bytes of one chunk's gathered keys (values are the same order of size).  GPUs get a
@@ -36,11 +38,19 @@ def _chunk_size(batch, window, heads_kv, dim, elem_bytes, device):
     return max(1, budget // max(per_query, 1))
 
 
+@functools.lru_cache(maxsize=256)
+def _constant_tables(params: NAParams, device: torch.device, lo: int, hi: int):
+    """``_tables`` built as real tensors outside any trace, once per problem and chunk: constants of a traced
+    graph (built inside it they would be tens of index ops per call)."""
+    with constant_tensors():
+        return _tables(params, device, lo, hi)
+
+
 class _Chunk:
     """Gathered window of one chunk of queries, in compute precision."""
 
-    def __init__(self, q, k, v, rpb, params, lo, hi, scale, groups):
-        key_idx, valid, rel, all_valid = _tables(params, q.device, lo, hi)
+    def __init__(self, q, k, v, rpb, params, lo, hi, scale, groups, tables=None):
+        key_idx, valid, rel, all_valid = tables if tables is not None else _tables(params, q.device, lo, hi)
         ct = _compute_dtype(q.dtype)
         b, n, hq, d = q.shape
         hkv = k.shape[2]
@@ -86,6 +96,30 @@ def _forward(q, k, v, params, rpb, scale):
         out[:, lo:hi] = o.reshape(b, hi - lo, hq, dv).to(q.dtype)
         lse[:, lo:hi] = m.reshape(b, hi - lo, hq)
     return out, lse
+
+
+def _traced_forward(q, k, v, rpb, params, scale):
+    """``_forward`` as a graph of tensor ops, for ``torch.export`` / ``torch.jit.trace``: constant index tables,
+    chunks sized for one batch element (the graph then serves any batch; the example's batch size would otherwise
+    fix the number of chunks), the chunks' outputs concatenated instead of written into an empty tensor."""
+    b, n, hq, d = q.shape
+    hkv, dv = k.shape[2], v.shape[-1]
+    groups = hq // hkv
+    ct = _compute_dtype(q.dtype)
+    step = _chunk_size(1, params.window_size, hkv, max(d, dv), torch.finfo(ct).bits // 8, q.device)
+    outs, lses = [], []
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        c = _Chunk(q, k, v, rpb, params, lo, hi, scale, groups,
+                   tables=_constant_tables(params, torch.device(q.device), lo, hi))
+        s = c.logits()
+        m = torch.logsumexp(s, dim=-1)
+        o = torch.einsum("bnkgw,bnwkd->bnkgd", torch.exp(s - m.unsqueeze(-1)), c.v)
+        outs.append(o.reshape(b, hi - lo, hq, dv).to(q.dtype))
+        lses.append(m.reshape(b, hi - lo, hq))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, 1), torch.cat(lses, 1)
 
 
 def _backward(q, k, v, params, rpb, scale, out, lse, d_out, d_lse):
@@ -155,6 +189,10 @@ class NaiveBackend:
 
     def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
         return run_on_token_rows(_NaiveAttention.apply, q, k, v, rpb, params, scale)
+
+    def traced_attention(self, q, k, v, params: NAParams, rpb, scale):
+        # (differentiable by the recorded ops themselves: a traced module can still be trained)
+        return run_on_token_rows(_traced_forward, q, k, v, rpb, params, scale)
 
 
 BACKEND = NaiveBackend()
