@@ -18,7 +18,7 @@ from timm.models._features import feature_take_indices  # not re-exported by tim
 from torch import nn
 
 from . import eager_block
-from .layers import NATBlock, stage_dilations
+from .layers import NATBlock, refuse_scripting, stage_dilations
 
 GLOBAL_POOLS = ("avg", "")
 
@@ -140,6 +140,7 @@ class NABackbone(ClassifierHooks, nn.Module):
 
     stage_attr = "levels"
     output_fmt = "NHWC"
+    __prepare_scriptable__ = refuse_scripting  # torch.jit.script: an error naming the routes that work
 
     @property
     def stages(self) -> nn.ModuleList:

@@ -19,9 +19,10 @@ applied in float32.  The random draws of stochastic depth differ from timm's ``D
 both residuals), with the same distribution.
 
 :func:`plan` decides per call whether a block can take this path; every other case runs the modules: traced code
-(``torch.compile`` fuses the modules better), attention or MLP dropout while training, layer scale, strided or
-causal attention, feature maps that need padding, submodules with hooks or of other types (``fast_norm``'s
-LayerNorm, a parametrised Linear), another NA backend.  ``ENABLED = False`` turns the path off.
+(``torch.compile`` fuses the modules better; ``torch.export``, ONNX export and ``torch.jit.trace`` can record only
+tensor ops, which this autograd function and its cached plans are not), attention or MLP dropout while training,
+layer scale, strided or causal attention, feature maps that need padding, submodules with hooks or of other types
+(``fast_norm``'s LayerNorm, a parametrised Linear), another NA backend.  ``ENABLED = False`` turns the path off.
 """
 from __future__ import annotations
 
@@ -144,6 +145,8 @@ def _parameters(modules) -> tuple:
 def plan(block, x: torch.Tensor) -> BlockPlan | None:
     """How ``block`` runs ``x`` on this path, or None where it must run its modules."""
     if not ENABLED or block.__dict__.get("layer_scale", True) or torch._C._are_functorch_transforms_active():
+        return None
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # a graph records the modules' ops, not this function
         return None
     if x.dim() != 4 or not x.is_contiguous():
         return None

@@ -22,6 +22,16 @@ from . import eager_block
 DILATION_MODES = ("clamp", "pad")
 
 
+def refuse_scripting(module: nn.Module):
+    """``__prepare_scriptable__`` of the NA models and layers: ``torch.jit.script`` cannot compile them (the NA ops
+    validate their arguments, pick a backend and build index tables in Python on every call), so it stops here with
+    the routes that work, instead of failing on whichever attribute it meets first."""
+    raise RuntimeError(
+        f"torch.jit.script cannot compile {type(module).__name__}: its neighborhood attention runs Python at every "
+        "call (argument checks, backend choice, index tables). Export it with torch.jit.trace, torch.export.export "
+        "or torch.onnx.export instead (README, 'Export').")
+
+
 def fit_window(spatial: Sequence[int], kernel_size: Sequence[int], dilation: Sequence[int], mode: str):
     """Dilation to use and the size to pad to, per axis, for a feature map of size ``spatial``.
 
@@ -34,6 +44,7 @@ def fit_window(spatial: Sequence[int], kernel_size: Sequence[int], dilation: Seq
         raise ValueError(f"dilation_mode: expected one of {DILATION_MODES}, got {mode!r}")
     dilations, padded = [], []
     for L, K, d in zip(spatial, kernel_size, dilation):
+        L = int(L)  # (the TorchScript-based ONNX exporter hands sizes over as 0-d tensors; windows need ints)
         if mode == "clamp":
             d = max(1, min(d, L // K))
         dilations.append(d)
@@ -57,6 +68,8 @@ class NeighborhoodAttention2D(ops.NeighborhoodAttention2D):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", dilation_mode={self.dilation_mode!r}"
+
+    __prepare_scriptable__ = refuse_scripting
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[-1] != self.dim:
@@ -125,8 +138,12 @@ class NATBlock(nn.Module):
             self.gamma1 = nn.Parameter(layer_scale * torch.ones(dim))
             self.gamma2 = nn.Parameter(layer_scale * torch.ones(dim))
 
+    __prepare_scriptable__ = refuse_scripting
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():  # eager: the whole block as one autograd function where it applies
+        # eager: the whole block as one autograd function where it applies; traced code (torch.compile, export,
+        # jit.trace) records the modules, whose ops a graph can hold
+        if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
             block_plan = eager_block.plan(self, x)
             if block_plan is not None:
                 return eager_block.run(self, x, block_plan)
