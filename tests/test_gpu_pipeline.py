@@ -138,6 +138,35 @@ def test_collate_runs_the_stage_in_the_loader_and_reseeds_per_epoch(folder):
     assert any(not torch.equal(a[0], b[0]) for a, b in zip(first, other_rank))
 
 
+def test_sample_seeds_make_batches_independent_of_workers_and_their_age(folder):
+    """With the sampler's per-sample seeds, crops and augmentations depend on (seed, epoch, rank) alone: the same
+    with 0 or 2 workers, with workers kept across epochs, and different between epochs and ranks."""
+    from namodels.data.datamodule import EpochSampler
+
+    dm = _module(folder)
+    encoded = EncodedImages(dm.train_set, CropSampler())
+    flip = lambda x, g: x ^ torch.randint(0, 2, (x.shape[0], 1, 1, 1), generator=g, dtype=torch.uint8)  # noqa: E731
+
+    def epochs(workers, rank=0, count=2):
+        sampler = EpochSampler(encoded, 2, rank, 7, 0, torch.Generator(), sample_seeds=True)
+        loader = torch.utils.data.DataLoader(encoded, batch_size=4, sampler=sampler, num_workers=workers,
+                                             persistent_workers=workers > 0,
+                                             collate_fn=GPUCollate(TrainStage("auto", CPU, 24, flip), rank))
+        out = []
+        for epoch in range(count):
+            sampler.set_epoch(epoch)
+            out.append([(x.clone(), y.clone()) for x, y, _ in loader])
+        return out
+
+    inline, pooled = epochs(0), epochs(2)
+    for a, b in zip(inline, pooled):
+        assert len(a) == len(b) > 0
+        assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
+    assert not all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(inline[0], inline[1]))  # epochs differ
+    other = epochs(0, rank=1, count=1)[0]
+    assert not all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(inline[0], other))  # ranks differ
+
+
 def test_stage_errors_reach_the_training_process(folder):
     dm = _module(folder)
 

@@ -15,9 +15,10 @@ alone is measured, a whole training run on it is not yet (docs/performance.md). 
 batch's device after the transfer for both (``on_after_batch_transfer``, :mod:`namodels.data.device_transforms`).
 Mean/std, interpolation and crop_pct default to the model's pretrained config.
 
-Reproducibility: the training order depends only on ``(seed, epoch)`` and so do the dataloader worker
-seeds, so a run resumed from an end-of-epoch checkpoint sees the same batches as an uninterrupted
-one (the main-process RNGs are reseeded per epoch by the task module).
+Reproducibility: the training order depends only on ``(seed, epoch)``, the dataloader worker seeds on
+``(seed, epoch, rank)`` (the GPU pipeline's draws on each sample's seed, see :class:`EpochSampler`), so a run
+resumed from an end-of-epoch checkpoint sees the same batches as an uninterrupted one (the main-process RNGs are
+reseeded per epoch by the task module).
 """
 from __future__ import annotations
 
@@ -53,27 +54,48 @@ FILE_FORMATS = ("folder", "tar", "image_folder")  # the formats with files to de
 GPU_WORKER_TIMEOUT_S = 300
 
 
-def epoch_seed(seed: int, epoch: int) -> int:
-    """A 63-bit seed for (run seed, epoch); distinct epochs give unrelated streams."""
-    return (int(seed) * 1_000_003 + int(epoch) * 7_919 + 12_345) % (2 ** 63)
+def epoch_seed(seed: int, epoch: int, rank: int = 0) -> int:
+    """A 63-bit seed for (run seed, epoch, rank); distinct epochs and ranks give unrelated streams."""
+    return (int(seed) * 1_000_003 + int(epoch) * 7_919 + int(rank) * 104_729 + 12_345) % (2 ** 63)
+
+
+def sample_seed(epoch_key: int, position: int) -> int:
+    """The seed of the sample at ``position`` of an epoch's order (SplitMix64's finaliser: neighbouring
+    positions give unrelated seeds)."""
+    z = (int(epoch_key) + (int(position) + 1) * 0x9E3779B97F4A7C15) % 2 ** 64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2 ** 64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2 ** 64
+    return (z ^ (z >> 31)) % 2 ** 63
 
 
 class EpochSampler(DistributedSampler):
     """Shuffled, rank-sharded order that is a function of ``(seed, epoch)`` only (also for one process).
 
     It also reseeds the data loader's generator on every ``set_epoch`` (Lightning calls it before each
-    epoch), so the worker seeds drawn from it follow the epoch too.  The epoch is set at construction
-    because the first epoch's iterator may be created before Lightning's ``set_epoch`` call.
+    epoch) from ``(seed, epoch, rank)``, so the worker seeds drawn from it follow the epoch and differ between
+    ranks.  The epoch is set at construction because the first epoch's iterator may be created before
+    Lightning's ``set_epoch`` call.
+
+    With ``sample_seeds`` it yields ``(index, seed)`` pairs instead of indices: each sample's random draws then
+    depend on ``(seed, epoch, rank, position)`` alone, not on which worker takes it or how long that worker has
+    lived, so loaders whose workers persist across epochs stay exactly reproducible.
     """
 
-    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, epoch: int, generator: torch.Generator):
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, epoch: int, generator: torch.Generator,
+                 sample_seeds: bool = False):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
-        self.loader_generator = generator
+        self.loader_generator, self.sample_seeds = generator, bool(sample_seeds)
         self.set_epoch(epoch)
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
-        self.loader_generator.manual_seed(epoch_seed(self.seed, epoch))
+        self.loader_generator.manual_seed(epoch_seed(self.seed, epoch, self.rank))
+
+    def __iter__(self):
+        if not self.sample_seeds:
+            return super().__iter__()
+        key = epoch_seed(self.seed, self.epoch, self.rank)
+        return ((index, sample_seed(key, position)) for position, index in enumerate(super().__iter__()))
 
 
 def collate_skipping(batch):
@@ -210,12 +232,16 @@ class ClassificationDataModule(pl.LightningDataModule):
         return "gpu"
 
     def _gpu_loader(self, dataset, stage, batch_size: int, **kwargs) -> DataLoader:
-        """A DataLoader whose workers read files and run ``stage`` on the GPU (``spawn``: they use CUDA)."""
+        """A DataLoader whose workers read files and run ``stage`` on the GPU (``spawn``: they use CUDA).
+
+        The workers persist across epochs: a spawned worker's start (interpreter, imports, CUDA context, decoder)
+        costs seconds, paid once per run instead of once per epoch and validation pass.  The training draws follow
+        the sampler's per-sample seeds, so a worker's age changes nothing."""
         workers = int(self.cfg["gpu"]["workers"])
         spawn = workers > 0 and stage.device.type == "cuda"
         _, rank, _ = self._distribution()
         return DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=GPUCollate(stage, rank),
-                          multiprocessing_context="spawn" if spawn else None, persistent_workers=False,
+                          multiprocessing_context="spawn" if spawn else None, persistent_workers=workers > 0,
                           prefetch_factor=int(self.cfg["gpu"]["prefetch"]) if workers else None,
                           # a worker that stops answering (a GPU decoder that cannot start) fails the run, not hangs it
                           timeout=GPU_WORKER_TIMEOUT_S if workers else 0, **kwargs)
@@ -274,13 +300,14 @@ class ClassificationDataModule(pl.LightningDataModule):
         self.setup("fit")
         world, rank, epoch = self._distribution()
         generator = torch.Generator()
-        sampler = EpochSampler(self.train_set, world, rank, self.seed, epoch, generator)
+        gpu_pipeline = self.pipeline() == "gpu"
+        sampler = EpochSampler(self.train_set, world, rank, self.seed, epoch, generator, sample_seeds=gpu_pipeline)
         if len(sampler) < self.batch_size:
             shared = f" per process ({len(self.train_set)} images over {world} processes)" if world > 1 else ""
             more = " (or raise data.train_samples)" if self.cfg["format"] == "synthetic" else ""
             raise ValueError(f"data.batch_size: {self.batch_size} exceeds the {len(sampler)} training images"
                              f"{shared}; lower data.batch_size{more}")
-        if self.pipeline() == "gpu":
+        if gpu_pipeline:
             aug = self.cfg["augment"]
             crops = CropSampler(aug["scale"], aug["ratio"], aug["interpolation"])
             gpu = self.cfg["gpu"]

@@ -36,7 +36,8 @@ class EncodedSample:
 
     ``data`` is the file's bytes (uint8, 1-D) when ``encoded`` is true, else the decoded image (uint8
     ``[3, H, W]``); ``size`` is ``(height, width)``; ``crop`` the RandomResizedCrop box ``(top, left, height,
-    width)`` and ``interpolation`` its resampling filter (training only)."""
+    width)`` and ``interpolation`` its resampling filter (training only); ``seed`` the sample's seed where the
+    sampler hands one over (:class:`~namodels.data.datamodule.EpochSampler`)."""
 
     data: torch.Tensor
     encoded: bool
@@ -45,6 +46,7 @@ class EncodedSample:
     path: str
     crop: tuple[int, int, int, int] | None = None
     interpolation: str | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -88,8 +90,9 @@ def collate_encoded(batch) -> EncodedBatch:
 
 
 class CropSampler:
-    """timm's RandomResizedCrop box and interpolation choice, drawn from the worker's ``random`` module (seeded per
-    worker and epoch by the data loader) for an image size, without the image's pixels."""
+    """timm's RandomResizedCrop box and interpolation choice, drawn from the worker's ``random`` module (seeded by
+    the sample's seed, else per worker and epoch by the data loader) for an image size, without the image's
+    pixels."""
 
     def __init__(self, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), interpolation: str = "random"):
         if interpolation != "random" and interpolation not in INTERPOLATIONS:
@@ -120,7 +123,9 @@ class EncodedImages(Dataset):
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, key: int | tuple[int, int]):
+        """``key``: an index, or ``(index, seed)`` whose seed fixes the sample's crop draw."""
+        index, seed = key if isinstance(key, tuple) else (key, None)
         images = self.images
         index = int(index if images.indices is None else images.indices[index])
         name = images.filename(index)
@@ -136,7 +141,10 @@ class EncodedImages(Dataset):
         except DECODE_ERRORS as err:  # the header could not be parsed, or the file vanished
             log.warning("skipping unreadable image %s: %s", name, err)
             return Unreadable(name)
+        sample.seed = seed
         if self.crops is not None:
+            if seed is not None:
+                random.seed(seed)  # timm's get_params draws from the module-level generator
             sample.crop, sample.interpolation = self.crops(*sample.size)
         return sample
 

@@ -144,9 +144,11 @@ class ValStage(_Stage):
 
 class GPUCollate:
     """A DataLoader ``collate_fn`` that runs ``stage`` on the collated :class:`EncodedBatch` in the worker and
-    returns ``(images, targets, skipped)`` on the stage's device.  Its random generator is seeded, on first use
-    in each worker, from the worker's seed (which the loader draws from its generator, reseeded per epoch) and
-    ``rank``."""
+    returns ``(images, targets, skipped)`` on the stage's device.
+
+    The batch's augmentations draw from a generator seeded by the batch's first sample seed where the sampler
+    hands seeds over (then the draws do not depend on the worker), else by the worker's seed (which the loader
+    draws from its generator, reseeded per epoch) and ``rank``, on first use in each worker."""
 
     def __init__(self, stage, rank: int = 0):
         self.stage, self.rank = stage, int(rank)
@@ -156,10 +158,13 @@ class GPUCollate:
         return {**self.__dict__, "_generator": None}
 
     def __call__(self, samples):
+        batch = collate_encoded(samples)
+        seeds = [s.seed for s in batch.samples if s.seed is not None]
+        if seeds:
+            return self.stage(batch, torch.Generator().manual_seed((seeds[0] + 1) % 2 ** 63))
         if self._generator is None:
-            # the ranks' loaders share their epoch seed: the rank keeps their augmentations apart
             self._generator = torch.Generator().manual_seed((torch.initial_seed() + 1_000_003 * self.rank) % 2 ** 63)
-        return self.stage(collate_encoded(samples), self._generator)
+        return self.stage(batch, self._generator)
 
 
 def _bytes_io(data: torch.Tensor):
