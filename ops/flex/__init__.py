@@ -88,8 +88,8 @@ def group_order(params: NAParams, device: torch.device) -> tuple[torch.Tensor, t
     """Token order that makes dilation groups contiguous, and its inverse; ``None`` without dilation.
 
     With dilation d a window spans d*K tokens per axis, so in row-major order nearly every 128-token
-    block pair holds some admitted pair and flex's block mask is almost dense (dinat-s1: 56x56, K=7,
-    d=8 measured 85.9 ms against 0.29 ms fused on an H100). A query only attends keys of its own group
+    block pair holds some admitted pair and flex's block mask is almost dense (docs/fused.md, "Other
+    backends"). A query only attends keys of its own group
     (i % d equal on every axis), so ordering tokens by (group, coordinate inside the group) turns the
     problem into an undilated one per group, and the block mask sparse again.
     """

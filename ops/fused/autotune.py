@@ -50,11 +50,10 @@ class Config:
 
 # kernel -> list of (max head dim, default config); the first entry whose bound covers the head dim wins.
 DEFAULTS: dict[str, list[tuple[int, Config]]] = {
-    # Winners of the tuner on an H100 (Triton 3.6, bf16; measurements in docs/fused.md): one warpgroup
-    # (4 warps) on 64-row tiles beat 8 warps on 64 or 128 rows for every kernel, although ptxas reports
-    # some spills for them at head dim 128.  Head dim 256 keeps small tiles.
-    # TMA loads win on the large head-dim-128 problems but lose on the head-dim-32 NAT stage-1 maps (a
-    # short program pays for building its descriptors), so the head-dim-32 defaults keep pointer loads.
+    # The tuner's winners (docs/fused.md, "Tiling"): one warpgroup (4 warps) on 64-row tiles for every kernel,
+    # kept by time although ptxas reports some spills for them at head dim 128.  Head dim 256 keeps small tiles.
+    # TMA loads on the head-dim-128 entries; the head-dim-32 entries keep pointer loads, since a short program
+    # pays for building its descriptors (docs/fused.md, "TMA and host descriptors").
     # The bound is ``row_width``: float32 past head dim 64 counts double (its tiles take twice the shared
     # memory; float32 at head dim 128 runs out of it with the 128 entry).
     "fwd": [(32, Config(32, 32, 4, 2)), (128, Config(64, 64, 4, 3, True)), (256, Config(64, 32, 8, 2)),
@@ -65,13 +64,14 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
     "drpb": [(256, Config(64, 1, 4, 1))],
 }
 
-# Head dims up to 32 (NAT / DiNAT) by window regime, each faster than the table above on an H100 (docs/fused.md):
+# Head dims up to 32 (NAT / DiNAT) by window regime, each replacing the table above where it was faster
+# (docs/fused.md, "Tiling"):
 # * small windows (at most SMALL_WINDOW keys, smaller than the dilation group): 16-query tiles on one warp reach
-#   about half the keys of 32- or 64-query tiles (up to 2x faster on NAT's 7x7 stages, forward and backward);
+#   about half the keys of 32- or 64-query tiles;
 # * windows covering their whole dilation group (DiNAT's dilated layers): dense attention inside each group, one
 #   64-query tile per group.
 # The small-window tiles use TMA where the launcher builds the descriptors on the host (``_default_launch`` drops it
-# elsewhere; the backward's measurements are at ``launch.BACKWARD_HOST_DESCRIPTORS``).
+# elsewhere; docs/fused.md, "TMA and host descriptors").
 SMALL_WINDOW = 81
 SMALL_WINDOW_DEFAULTS = {"fwd": Config(16, 64, 1, 2, True), "dq": Config(16, 32, 1, 2, True),
                          "dkdv": Config(16, 32, 1, 2, True)}
@@ -82,22 +82,23 @@ REGIME_MAX_WIDTH = 32
 CANDIDATES: dict[str, list[Config]] = {
     "fwd": [Config(128, 64, 8, 3), Config(128, 64, 8, 2), Config(128, 128, 8, 2), Config(64, 64, 4, 3),
             Config(128, 32, 8, 3), Config(64, 32, 4, 2), Config(32, 32, 4, 2),
-            # small windows: 16-query tiles on one or two warps reach less than half the keys of 64-query tiles
-            # (NAT 7x7: 128 keys per query tile against 256), so less of the softmax work is wasted
+            # Why each group below is a candidate: docs/fused.md, "Tuner candidates".
+            # small windows: 16-query tiles on one or two warps reach less than half the keys of 64-query tiles,
+            # so less of the softmax work is wasted
             Config(16, 64, 1, 2), Config(16, 64, 2, 2), Config(16, 32, 1, 2),
-            # small windows in 3-D (3d-causal): 16-key tiles cut the padding of a 64-query tile's key box
-            # (632 pairs per query against 728), 32-query tiles on two warps reach 518
+            # small windows in 3-D: 16-key tiles cut the padding of a 64-query tile's key box, 32-query tiles on
+            # two warps reach fewer pairs still
             Config(64, 16, 4, 3), Config(32, 32, 2, 2), Config(32, 64, 2, 2),
-            # nat-s1: one-warp programs at 149 registers fit 12 per SM; capped at 128, more fit (and run faster)
+            # one-warp programs capped at 128 registers: more of them fit on an SM
             Config(16, 64, 1, 2, maxnreg=128),
-            # head dim 128, windows aligned to the tile (stride variants): 32-key tiles at 3 stages take 64 KiB of
-            # shared memory and 124 registers, 3 programs per SM against 2 for 64-key ones (ptxas)
+            # head dim 128, windows aligned to the tile (stride variants): 32-key tiles at 3 stages fit more programs
+            # per SM than 64-key ones
             Config(64, 32, 4, 3),
-            # nat-s1's forward is bound by L2 traffic (ncu): 32-query one-warp tiles reach 4.4 keys per query against
-            # 7 for 16-query ones, so they read fewer K/V bytes; (1,4,8) x (1,2,16) with TMA at 128 registers
+            # small-window forwards bound by L2 traffic: 32-query one-warp tiles reach fewer keys per query than
+            # 16-query ones, so they read fewer K/V bytes
             Config(32, 32, 1, 3, maxnreg=128),
-            # head dim 128, long unmasked loops (stride variants): 128 x 128 on two warpgroups at 3 stages (224 KiB of
-            # shared memory, one program per SM); 128-key tiles halve the score matmul's shared-memory reads per FLOP
+            # head dim 128, long unmasked loops (stride variants): 128 x 128 on two warpgroups at 3 stages, one
+            # program per SM; 128-key tiles halve the score matmul's shared-memory reads per FLOP
             Config(128, 128, 8, 3)],
     "dq": [Config(64, 64, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 32, 4, 2),
            Config(32, 32, 4, 2), Config(128, 32, 8, 2), Config(128, 64, 8, 3), Config(64, 64, 4, 3),
@@ -117,7 +118,7 @@ for _kernel in ("fwd", "dq", "dkdv"):
 def _code_version() -> str:
     """Hash of the sources that decide what a tuned entry ran: the kernels and the launcher's choices around them.
     A cached configuration outlives the code that chose it otherwise: entries tuned before a kernel change can be
-    slower than the current defaults (docs/fused.md), or name tiles a later kernel no longer compiles."""
+    slower than the current defaults (docs/fused.md, "Tiling"), or name tiles a later kernel no longer compiles."""
     digest = hashlib.sha256()
     for name in ("kernels.py", "window_jit.py", "launch.py"):
         digest.update(Path(__file__).with_name(name).read_bytes())
@@ -193,8 +194,8 @@ def _store(key: str, entry: dict) -> None:
 
 # Triton's input precision of float32 matmuls per torch setting (``torch.set_float32_matmul_precision``): "highest"
 # asks for float32 results, which 3xTF32 gives on the tensor cores (each operand split into a TF32 head and tail, three
-# products; ~1e-7 relative, the gemm backend's float32 error on an H100) where an IEEE dot runs on the FMA units at a
-# fraction of the speed; "high" and "medium" allow TF32 (~1e-3).
+# products; as accurate as the gemm backend's float32) where an IEEE dot runs on the FMA units at a fraction of the
+# speed; "high" and "medium" allow TF32 (errors of both: docs/fused.md, "Float32 inputs").
 FP32_DOT_PRECISION = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
 # 16-bit matmuls: Triton's default (the argument only matters for float32 operands)
 HALF_DOT_PRECISION = "tf32"
@@ -332,9 +333,9 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
 
 
 # A program that builds its TMA descriptors itself pays for it once, so TMA pays only over a long enough loop
-# (on an H100: slower at 5 inner tiles, the same at 14, faster at 121; docs/fused.md).  Where the launcher builds the
-# descriptors on the host (an undilated problem with packed heads and power-of-two head dims,
-# ``launch.host_descriptors_ok``), TMA wins on short loops too (the backward: ``launch.BACKWARD_HOST_DESCRIPTORS``).
+# (docs/fused.md, "TMA and host descriptors").  Where the launcher builds the descriptors on the host (an undilated
+# problem with packed heads and power-of-two head dims, ``launch.host_descriptors_ok``), TMA wins on short loops too
+# (the backward: ``launch.BACKWARD_HOST_DESCRIPTORS``).
 MIN_TMA_LOOP = 16
 
 
@@ -353,9 +354,9 @@ def _default_launch(kernel: str, params, width: int, host_descriptors: bool = Fa
 
 def _kernel_ms(fn) -> float:
     """Median time of ``fn``'s kernels, replayed from a CUDA graph: timed launch by launch, a kernel
-    shorter than its ~50 us of host launch work is timed at the host's speed, and the tuner picked
-    worse tiles than the defaults on small maps that way.  Plain
-    ``do_bench`` where graph capture is not possible."""
+    shorter than its host launch work is timed at the host's speed, and the tuner picked worse tiles than
+    the defaults on small maps that way (docs/fused.md, "Tiling").  Plain ``do_bench`` where graph capture
+    is not possible."""
     import triton.testing
 
     try:

@@ -25,10 +25,11 @@ A program whose result holds a NaN or an infinity flags its rows; ``na_fwd_nonfi
 recomputes the flagged programs one window offset at a time (``kernels._attend_by_offset``), which keeps non-finite
 values inside the windows that hold them, as the portable kernel does.
 
-It runs where it is built for and measured faster: 1-D, 2-D and 3-D problems, 16-bit inputs, head dim 64 or 128
-(= value dim), no RPB, positive scale, no dilation, heads packed per token, and windows of at least ``MIN_WINDOW``
-keys (small windows waste most of a 128 x 128 tile).  Everything else, and any GPU but sm_90, takes the portable
-kernel; ``NAMODELS_HOPPER=0`` (or ``disabled()``) forces it, for ``hopper_dq`` and ``hopper_dkdv`` too.
+It runs where it is built for and faster (docs/fused.md, "The Hopper forward"): 1-D, 2-D and 3-D problems, 16-bit
+inputs, head dim 64 or 128 (= value dim), no RPB, positive scale, no dilation, heads packed per token, and windows of
+at least ``MIN_WINDOW`` keys (small windows waste most of a 128 x 128 tile).  Everything else, and any GPU but
+sm_90, takes the portable kernel; ``NAMODELS_HOPPER=0`` (or ``disabled()``) forces it, for ``hopper_dq`` and
+``hopper_dkdv`` too.
 """
 from __future__ import annotations
 
@@ -64,17 +65,17 @@ MAX_STEPS = 1 << 20
 HEAD_DIMS = (64, 128)
 MIN_WINDOW = 1024
 RANKS = (1, 2, 3)
-STAGES = 2  # K/V stages in shared memory (64 KB each at head dim 128); three measured no faster
+STAGES = 2  # K/V stages in shared memory (64 KB each at head dim 128); a third was no faster (docs/fused.md)
 CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg)
-PRODUCER_REGS = 40  # the producer also walks the work items and their spans: on 24 it spilled
+PRODUCER_REGS = 40  # the producer also walks the work items and their spans: fewer spill (docs/fused.md)
 # Mask-free launches loop over as many boxes in every tile, so one program per SM that runs the work items in turn
 # stays balanced, and the next item's query tile loads while the last one's output leaves.  Where loop lengths
 # differ (masked launches), programs that each take a fixed share drift apart, the K and V boxes they read at the
-# same time stop sharing L2 (3d-hunyuan's forward ran 12-18% longer), and one program per tile, which the hardware
-# hands to each SM as it frees up, runs instead.
+# same time stop sharing L2, and one program per tile, which the hardware hands to each SM as it frees up, runs
+# instead (docs/fused.md, "The Hopper forward").
 PERSISTENT_MASKED = False
 # Except on these ranks, without causal axes: a 1-D tile's loop is as long as any other's but at the axis' ends
-# (1d-32k: 16 or 17 key boxes), and programs that short gain most from the next item's query tile loading while the
+# (within one key box), and short programs gain most from the next item's query tile loading while the
 # last one finishes (``docs/fused.md``, "The Hopper forward").
 PERSISTENT_MASKED_RANKS = (1,)
 # Tiles run in ``launch_order``'s blocks, so that the programs running at once read K and V boxes that fit in L2
@@ -276,8 +277,8 @@ if gluon is not None:
     def _floor_div(t, n_inv):
         """``t // n`` for ``0 <= t < MAX_STEPS`` from ``n``'s float reciprocal: ``(t + 1/2) / n`` lies at least
         ``1 / (2 n)`` from an integer, and the float product errs by at most ``(t + 1/2) / n * 2**-21``, so the
-        truncation is exact.  An integer division by a runtime value takes about 28 SASS instructions, one of them a
-        reciprocal on the exponentials' unit; this takes three."""
+        truncation is exact.  An integer division by a runtime value takes many SASS instructions, one of them a
+        reciprocal on the exponentials' unit; this takes three (docs/fused.md, "The Hopper dQ")."""
         return ((t.to(gl.float32) + 0.5) * n_inv).to(gl.int32)
 
     @gluon.jit
@@ -298,9 +299,9 @@ if gluon is not None:
     @gluon.jit
     def _next_key_box(k0, k1, k2, lo1, lo2, end1, end2, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr):
         """The first key of the loop's next box after ``(k0, k1, k2)``, in the producer's order (the last axis
-        fastest), stepped with carries and no branch (an ``if`` per axis measured slower): decoding the step's index
-        took two integer divisions by runtime values on the path from the score matmul to the softmax of every masked
-        step."""
+        fastest), stepped with carries and no branch (the faster of the two; docs/fused.md, "The Hopper forward"):
+        decoding the step's index took two integer divisions by runtime values on the path from the score matmul to
+        the softmax of every masked step."""
         k2 += U2
         wrap2 = (k2 == end2).to(gl.int32)
         k2 -= wrap2 * (end2 - lo2)

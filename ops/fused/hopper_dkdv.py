@@ -46,11 +46,11 @@ if gluon is not None:
                          mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 # Keys per program, a consumer warpgroup per 64.  64-key programs (one consumer, two programs per SM) reach fewer
-# queries outside their keys' windows, but took 6-15% longer on dK/dV than 128-key ones on the masked problems
+# queries outside their keys' windows, but were slower on dK/dV than 128-key ones on the masked problems
 # (docs/fused.md, "The Hopper dK/dV").
 KEYS = 128
 QUERIES = 64  # queries per box (the score tiles' columns)
-RANKS = (2, 3)  # 1-D problems ran slower than on the portable kernel (docs/fused.md)
+RANKS = (2, 3)  # 1-D problems ran slower than on the portable kernel (docs/fused.md, "The Hopper dK/dV")
 STAGES = 2  # Q / dO stages in shared memory
 CONSUMER_REGS = 240  # dK and dV accumulate in registers: 128 of a consumer thread's registers at head dim 128
 PRODUCER_REGS = 24

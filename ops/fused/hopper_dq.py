@@ -98,7 +98,7 @@ if gluon is not None:
             _pass_turn(turns, half)
             s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
             mbarrier.arrive(v_empty.index(stage), count=1)
-            if mask:  # the box decoded from t: carried coordinates, as the forward steps them, ran 1-4.5% slower here
+            if mask:  # the box decoded from t: carried coordinates, as the forward steps them, were slower here
                 k0, k1, k2 = _step_box(t, n12, n2, n12_inv, n2_inv, lo0, lo1, lo2, U0, U1, U2)
                 s = _mask_box(s, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, start0, stop0, start1,
                               stop1, start2, stop2, U0, U1, U2)

@@ -66,8 +66,8 @@ def _split_group(p, NT, D):
 @triton.jit
 def _decode_program(pid, NT0, NT1, NT2, D0, D1, D2, ACT0: tl.constexpr, ACT1: tl.constexpr):
     """Program index -> (group, tile index) per axis.  Tiles of one group are adjacent (L2 reuse).
-    Dummy axes of 1-D / 2-D problems and undilated axes skip their divisions (each is ~20 instructions of
-    a small program's ~1500, sm_90 SASS of nat-s1)."""
+    Dummy axes of 1-D / 2-D problems and undilated axes skip their divisions, which a small program notices
+    (docs/fused.md, "Tiling")."""
     if ACT1:
         c2 = NT2 * D2
         p2 = pid % c2
@@ -93,7 +93,7 @@ def _decode_program(pid, NT0, NT1, NT2, D0, D1, D2, ACT0: tl.constexpr, ACT1: tl
 def _next_tile(i0, i1, i2, n1, n2, ACT0: tl.constexpr, ACT1: tl.constexpr):
     """The next tile of a row-major loop over ``n0 x n1 x n2`` tiles, as a counter with carries.  Decoding the
     flat loop index instead (``t % n2``, ``t // n2`` ...) costs two integer divisions by runtime values per
-    iteration, ~50 instructions next to ~500 for a whole 64 x 64 step of 3d-causal's forward (sm_90 SASS)."""
+    iteration, a noticeable share of a step (docs/fused.md, "Tiling")."""
     i2 += 1
     if ACT1:
         wrap = i2 == n2
@@ -145,7 +145,7 @@ def _flat_token(c0, c1, c2, g0, g1, g2, D0, D1, D2, L1, L2, IDX64: tl.constexpr)
     """Flat (row-major) token index of group coordinates (c0, c1, c2).
 
     int32 unless ``IDX64``: the host sets it when a token offset (index * token stride) of one
-    batch element can pass 2**31; int64 vectors cost ~30 registers per thread and cause spills.
+    batch element can pass 2**31; int64 vectors cost registers and cause spills (docs/fused.md, "Tiling").
     """
     if IDX64:
         c0 = c0.to(tl.int64)
@@ -171,8 +171,8 @@ def _mask_outside(x, fill, k0, k1, k2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, i
 
     A KV box starting at (k0, k1, k2) that lies inside every query's window (``[in_lo, in_hi)`` on
     each axis) needs no mask.  In 3-D a partial box is usually partial on one axis only, so there the
-    axes are tested one by one and the compares of the others skipped (3d-hunyuan forward 64.0 ->
-    59.0 ms on an H100); in 1-D / 2-D one combined mask measured as fast or faster (2d-flux backward).
+    axes are tested one by one and the compares of the others skipped; in 1-D / 2-D one combined mask
+    (docs/fused.md, "Softmax and masking").
     """
     part2 = (k2 < in_lo2) | (k2 + U2 > in_hi2)
     part1 = (k1 < in_lo1) | (k1 + U1 > in_hi1)
@@ -850,7 +850,7 @@ def na_fwd_kernel(
     # a short dilation group see none (l_i = 0) and would compute 0 * inf and log2(0), which are never stored but
     # make numpy warn under the interpreter: one select per row keeps them finite.
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc * (1.0 / l_i)[:, None]  # one reciprocal per row: a division per element costs ~8 instructions
+    out = acc * (1.0 / l_i)[:, None]  # one reciprocal per row, not a division per element
     o_base = b.to(tl.int64) * sob + h * soh
     if _holds_nonfinite(out):  # a NaN / inf reached the tile: its rows again, kept inside their windows (rare)
         _attend_by_offset(Q, Kp, V, RPB, O, LSE, q_base, k_base, v_base, o_base, b.to(tl.int64) * slb, sqt, skt, svt,
@@ -1018,7 +1018,7 @@ def na_bwd_dkdv_kernel(
                                                        VALUE_DIM, U0, U1, U2, BLOCK_D, BLOCK_DV, TMA, HOST_DESC)
         k, v = _kv_tile(k_src, v_src, lead, k_col, v_col, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, TMA)
-    else:  # k/v are A operands: an N-D TMA box would pass through registers (slower than pointer loads)
+    else:  # k/v are A operands: an N-D TMA box would pass through registers ("TMA and host descriptors", docs/fused.md)
         k, v = _kv_tile(Kp + k_base, V + v_base, 0, 0, 0, k0, k1, k2, kj0, kj1, kj2, Lg0, Lg1, Lg2, g0, g1, g2, D0, D1,
                         D2, L1, L2, skt, svt, offs_d, offs_dv, d_ok, dv_ok, U0, U1, U2, BLOCK_D, BLOCK_DV, IDX64, False)
 

@@ -96,16 +96,13 @@ def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, d
 # The backward kernels read their tiles through descriptors built on the host, as the forward does, where the layout
 # allows it (``host_descriptors_ok``) and the launch uses TMA: K/V in dQ, Q/dO (and, with queries as the matmul rows,
 # their own K/V tile) in dK/dV.  A program that builds its own descriptors pays for it on every launch, which a short
-# loop does not earn back: on NAT's small windows host descriptors beat both per-program descriptors and pointer
-# loads, and on long loops they change nothing (docs/fused.md).
+# loop does not earn back; host-built ones cost the program nothing (docs/fused.md, "TMA and host descriptors").
 BACKWARD_HOST_DESCRIPTORS = True
 
 # The kernels mask key boxes through the score matmul's initial value (a 0 / -inf bias tile built on every box from
 # per-axis compares that ptxas shares across a thread's columns) where a launch's boxes are partial on at least this
 # fraction of the problem's axes on average; elsewhere one select per element and partial axis, skipped on unmasked
-# boxes.  On an H100 it is faster on 3d-causal (2.9 of 3 axes partial) and nat-s1, 0.5% slower on nat-s1-rpb's
-# backward (kept for one rule); 3d-hunyuan (0.7 of 3) keeps the selects, where the bias measured within the
-# rounds' spread (docs/fused.md).
+# boxes.  One threshold for every kernel, forward and backward (docs/fused.md, "Softmax and masking").
 MASK_IN_DOT_FROM = 0.5
 
 
@@ -119,8 +116,8 @@ def mask_in_dot(params: NAParams, launch: autotune.Launch, scale: float, inverse
 
 
 # dK/dV puts the queries on the matmul rows from this query-tile size on (``QUERY_ROWS`` in the kernel): k/v
-# are then B operands and the kernel spills less (and runs faster on large problems), but smaller query tiles fall
-# under wgmma's 64-row minimum and run slower that way (docs/fused.md).
+# are then B operands and the kernel spills less, but smaller query tiles fall under wgmma's 64-row minimum and keep
+# the keys as rows (docs/fused.md, "Backward").
 DKDV_QUERY_ROWS_FROM = 64
 
 
@@ -454,16 +451,15 @@ def _bias_tiles(spec, table, stand_in, zeroed=None):
 
 # The kernels read each box's RPB and window mask as one contiguous tile of a table built per call
 # (``kernels.na_bias_tiles_kernel``) wherever there is an RPB and the scale is positive, instead of gathering the bias
-# per element: the table is shared by the batch and stays in L2.  On NAT-Tiny's stages (H100, docs/fused.md) the
-# forward's cost of RPB fell from 0.104 to 0.043 ms at 56x56 and from 0.033 to 0.008 at 7x7.  Off (also through
-# ``NAMODELS_BIAS_TILES=0``): the per-element gather, which the tests run too.
+# per element: the table is shared by the batch and stays in L2 (docs/fused.md, "Softmax and masking").  Off (also
+# through ``NAMODELS_BIAS_TILES=0``): the per-element gather, which the tests run too.
 BIAS_TILES = os.environ.get("NAMODELS_BIAS_TILES", "1") != "0"
 
 
 # A kernel's bias tiles (and dQ's tile-layout float32 dS) hold every box of every program once per head: small for
-# small windows (NAT-Tiny's 56x56 stage: 1.6M elements) but large for large 3-D windows (tens of GB for 3d-hunyuan's
-# 18x24x24).  Above this many elements a launch gathers the bias per element instead (and dRPB takes the window
-# layout or the offset pass), where long loops amortise the per-element work anyway.
+# small windows but large for large 3-D windows (sizes in docs/fused.md, "Softmax and masking").  Above this many
+# elements a launch gathers the bias per element instead (and dRPB takes the window layout or the offset pass), where
+# long loops amortise the per-element work anyway.
 BIAS_TILE_ELEMENTS = 16 * 1024 * 1024
 
 

@@ -192,9 +192,9 @@ fused_na_packed_forward.register_autograd(_packed_backward, setup_context=_packe
 class _EagerFusedNA(torch.autograd.Function):
     """The same forward and backward as the custom ops, without their dispatch.
 
-    A custom op call costs tens of microseconds of Python (schema checks, dispatcher, dynamo guards);
-    a NAT-Tiny forward makes 30 NA calls, and at 14x14 / 7x7 maps the kernels take less time than
-    that, so eager models were host-bound (docs/fused.md, "Launch planning").  Eager calls take this
+    A custom op call costs Python time (schema checks, dispatcher, dynamo guards) on every NA call of a
+    model, and on small maps the kernels take less time than that, so eager models were host-bound
+    (docs/fused.md, "Launch planning and the host path").  Eager calls take this
     path; traced code (torch.compile, export, functorch transforms) takes the custom ops.
     """
 

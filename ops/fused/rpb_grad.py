@@ -12,9 +12,9 @@ function of the query's position and the slot (``ops.window.axis_neighbor_table`
 (``na_drpb_window_kernel``) sums it by offset, reading each element once through per-axis (position, offset) ->
 slot tables.
 
-By default dQ adds dS over the batch with float32 atomics into one ``N * H * prod(K)`` buffer (1.2 MB for nat-s1:
-56x56, 2 heads, 7x7), in no fixed order; deterministic runs (``torch.use_deterministic_algorithms``) store one
-buffer per batch element (``B`` times the bytes: 157 MB for nat-s1 at B 128) and sum them in order.  The buffer is
+By default dQ adds dS over the batch with float32 atomics into one ``N * H * prod(K)`` buffer, which stays in L2, in
+no fixed order; deterministic runs (``torch.use_deterministic_algorithms``) store one buffer per batch element (``B``
+times the bytes) and sum them in order (sizes in docs/fused.md, "RPB gradient: window-layout dS").  The buffer is
 used up to ``WINDOW_BUFFER_BYTES``; larger problems keep the offset pass.
 """
 from __future__ import annotations
@@ -131,7 +131,7 @@ def reduce_window_ds(ds: torch.Tensor, params: NAParams, launch=None) -> torch.T
 # --- dS in the bias tiles' layout ------------------------------------------------------------------------------------
 # With bias tiles (``launch.BIAS_TILES``) dQ adds dS over the batch into a buffer laid out like its bias tiles: whole
 # [queries, keys] tiles, contiguous atomics with no index arithmetic, where the window layout needs a slot and a mask
-# per element (on NAT-Tiny's 56x56 stage on an H100 that dQ took 0.354 ms against 0.224; docs/fused.md).  Each
+# per element, which was the larger cost (docs/fused.md, "RPB gradient: tile-layout dS").  Each
 # element's relative offset is fixed by the problem and the tiles, so a gather index per offset, built once, turns the
 # buffer into dRPB in one pass (``na_drpb_tiles_kernel``).
 TILE_REDUCE_BLOCK = 512

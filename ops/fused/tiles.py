@@ -14,9 +14,8 @@ formulas, ``ops/window.py``):
 
 An inner tile needs a mask on an axis unless it lies inside every query's window there; those masks
 are the second cost (``MASK_COST``).  A closed form such as ``K + T - 1`` positions per tile is not
-enough: it undercounts where clamped windows pile up (an axis shorter than ``2 K``, as in 3d-hunyuan's
-30 frames with a window of 18), and there it picks a dK/dV tile that computes 12% more pairs than the
-best one (``docs/fused.md``, "Tiling").
+enough: it undercounts where clamped windows pile up (an axis shorter than ``2 K``), and there it picks
+a dK/dV tile that computes more pairs than the best one (``docs/fused.md``, "Tiling").
 """
 from __future__ import annotations
 
@@ -30,8 +29,8 @@ from ops.window import axis_window
 
 MIN_DOT = 16  # tl.dot needs every matrix side >= 16
 
-# Cost of masking an inner tile on one axis, relative to computing its pairs: the border masks of
-# the 3-D forward cost about 11% of its time at ~1.2 masked axes per tile (H100).
+# Cost of masking an inner tile on one axis, relative to computing its pairs: the border masks' share of the 3-D
+# forward's time per masked axis of a tile (docs/fused.md, "Tiling").
 MASK_COST = 0.1
 
 
