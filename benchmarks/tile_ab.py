@@ -37,7 +37,7 @@ def parse_variant(text: str):
     pad = lambda t: (1,) * (3 - len(t)) + t  # noqa: E731
     tma = len(fields) > 4 and fields[4] == "tma"
     maxnreg = int(fields[5][1:]) if len(fields) > 5 else None
-    launch = autotune.Launch(pad(outer), pad(inner), int(fields[2]), int(fields[3]), tma, maxnreg)
+    launch = autotune.ResolvedConfig(pad(outer), pad(inner), int(fields[2]), int(fields[3]), tma, maxnreg)
     return kernel, launch
 
 

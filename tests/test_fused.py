@@ -748,9 +748,9 @@ def test_torch_compile_fullgraph_forward_backward():
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
-# An unusual launch for the 1-D problem of the cache tests (not what the defaults table gives it).
+# An unusual resolved config for the 1-D problem of the cache tests (not what the defaults table gives it).
 _CACHED_ENTRY = {"outer_tile": [1, 1, 16], "inner_tile": [1, 1, 32], "num_warps": 2, "num_stages": 1}
-_CACHED_LAUNCH = autotune.Launch((1, 1, 16), (1, 1, 32), 2, 1)
+_CACHED_CONFIG = autotune.ResolvedConfig((1, 1, 16), (1, 1, 32), 2, 1)
 
 
 @pytest.fixture
@@ -770,7 +770,7 @@ def test_autotune_cache_roundtrip(cache_problem, monkeypatch):
     _, q, k, v, params, key = cache_problem
     autotune._store(key, _CACHED_ENTRY)
     monkeypatch.setattr(autotune, "_cache", None)  # force a reload from disk
-    assert autotune.pick("fwd", q, k, v, params, False, run=None) == _CACHED_LAUNCH
+    assert autotune.pick("fwd", q, k, v, params, False, run=None) == _CACHED_CONFIG
     out = ops.na1d(q, k, v, 5, backend="fused")  # runs with the cached (unusual) tiles
     ref, _ = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), (20,), (5,), (1,), (1,),
                               (False,))
@@ -784,11 +784,11 @@ def test_autotune_cache_ignores_entries_of_other_code(cache_problem, monkeypatch
     assert key.endswith(f"|v{autotune.CODE_VERSION}")
     path.write_text(json.dumps({key.replace(autotune.CODE_VERSION, "0" * 12): _CACHED_ENTRY}))
     default = autotune.pick("fwd", q, k, v, params, False, run=None)
-    assert default == autotune._default_launch("fwd", params, 16) != _CACHED_LAUNCH
+    assert default == autotune._default_resolved("fwd", params, 16) != _CACHED_CONFIG
     monkeypatch.setattr(autotune, "_cache", None)
     monkeypatch.setattr(autotune, "_memo", {})
     autotune._store(key, _CACHED_ENTRY)
-    assert autotune.pick("fwd", q, k, v, params, False, run=None) == _CACHED_LAUNCH
+    assert autotune.pick("fwd", q, k, v, params, False, run=None) == _CACHED_CONFIG
 
 
 def test_tma_launch_installs_a_scratch_allocator_in_its_thread():
@@ -823,10 +823,10 @@ def test_default_tma_only_for_long_loops():
     large = NAParams((256, 256), (80, 80), (1, 1), (1, 1), (False, False))
     for kernel in ("fwd", "dq", "dkdv"):
         assert autotune.default_config(kernel, 128).tma
-        assert not autotune._default_launch(kernel, small, 128).tma
-        assert autotune._default_launch(kernel, small, 128, host_descriptors=True).tma
-        assert autotune._default_launch(kernel, large, 128).tma
-        assert not autotune._default_launch(kernel, large, 32).tma  # head dim 32: pointer loads
+        assert not autotune._default_resolved(kernel, small, 128).tma
+        assert autotune._default_resolved(kernel, small, 128, host_descriptors=True).tma
+        assert autotune._default_resolved(kernel, large, 128).tma
+        assert not autotune._default_resolved(kernel, large, 32).tma  # head dim 32: pointer loads
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -861,13 +861,14 @@ def test_head_dim_32_defaults_follow_the_window_regime():
     dinat = NAParams((56, 56), (7, 7), (1, 1), (8, 8), (False, False))
     large = NAParams((64, 64), (13, 13), (1, 1), (1, 1), (False, False))
     assert [autotune.window_regime(p) for p in (nat, dinat, large)] == ["small", "dense-group", "large"]
-    fwd = autotune._default_launch("fwd", nat, 32, host_descriptors=True)
+    fwd = autotune._default_resolved("fwd", nat, 32, host_descriptors=True)
     assert (fwd.outer_tile, fwd.inner_tile, fwd.num_warps, fwd.tma) == ((1, 2, 8), (1, 4, 16), 1, True)
     for kernel in ("dq", "dkdv"):  # TMA only where the backward builds its descriptors on the host
-        launch = autotune._default_launch(kernel, nat, 32)
-        assert math.prod(launch.outer_tile) == 16 and launch.num_warps == 1 and not launch.tma
-        assert autotune._default_launch(kernel, nat, 32, host_descriptors=True) == dataclasses.replace(launch, tma=True)
-    dense = autotune._default_launch("fwd", dinat, 32)
+        config = autotune._default_resolved(kernel, nat, 32)
+        assert math.prod(config.outer_tile) == 16 and config.num_warps == 1 and not config.tma
+        with_host = autotune._default_resolved(kernel, nat, 32, host_descriptors=True)
+        assert with_host == dataclasses.replace(config, tma=True)
+    dense = autotune._default_resolved("fwd", dinat, 32)
     assert (dense.outer_tile, dense.inner_tile, dense.num_warps) == ((1, 8, 8), (1, 8, 8), 4)
     for params in (large, nat):
         assert autotune.default_config("fwd", 32, params if params is large else None) == autotune.DEFAULTS["fwd"][0][1]

@@ -70,8 +70,8 @@ DEFAULTS: dict[str, list[tuple[int, Config]]] = {
 #   about half the keys of 32- or 64-query tiles;
 # * windows covering their whole dilation group (DiNAT's dilated layers): dense attention inside each group, one
 #   64-query tile per group.
-# The small-window tiles use TMA where the launcher builds the descriptors on the host (``_default_launch`` drops it
-# elsewhere; docs/fused.md, "TMA and host descriptors").
+# The small-window tiles use TMA where the launcher builds the descriptors on the host (``_default_resolved`` drops
+# it elsewhere; docs/fused.md, "TMA and host descriptors").
 SMALL_WINDOW = 81
 SMALL_WINDOW_DEFAULTS = {"fwd": Config(16, 64, 1, 2, True), "dq": Config(16, 32, 1, 2, True),
                          "dkdv": Config(16, 32, 1, 2, True)}
@@ -131,7 +131,7 @@ _lock = threading.Lock()
 _cache: dict[str, dict] | None = None
 _tune_override: bool | None = None
 _forced: dict[str, Config] = {}
-_memo: dict[tuple, "Launch"] = {}
+_memo: dict[tuple, "ResolvedConfig"] = {}
 
 
 @contextlib.contextmanager
@@ -153,8 +153,8 @@ def set_autotune(enabled: bool | None) -> None:
 
 
 def state() -> tuple:
-    """What a cached launch depends on besides the problem: tuning on/off, pinned configurations and
-    the memo (tests replace it to force a new choice)."""
+    """What a cached plan (``launch.forward`` / ``launch.backward``) depends on besides the problem: tuning on/off,
+    pinned configurations and the memo (tests replace it to force a new choice)."""
     return autotune_enabled(), tuple(_forced.items()), id(_memo)
 
 
@@ -275,8 +275,8 @@ def row_width(head_dim: int, dtype) -> int:
 
 
 @dataclass(frozen=True)
-class Launch:
-    """A resolved configuration: N-D tiles plus pipeline settings."""
+class ResolvedConfig:
+    """A ``Config`` resolved for one problem (``resolve``): its N-D tile shapes plus the pipeline settings."""
 
     outer_tile: tuple[int, int, int]
     inner_tile: tuple[int, int, int]
@@ -287,7 +287,7 @@ class Launch:
 
 
 @functools.lru_cache(maxsize=4096)
-def resolve(cfg: Config, params, kernel: str) -> Launch:
+def resolve(cfg: Config, params, kernel: str) -> ResolvedConfig:
     """N-D tile shapes for a configuration of ``kernel`` (padded to 3 axes, leading dummy axes of size 1)."""
     axes = axes_of(params)
     tokens = 1
@@ -299,12 +299,13 @@ def resolve(cfg: Config, params, kernel: str) -> Launch:
     else:
         outer, inner = choose_tiles(axes, outer_size, total_size(tokens, cfg.inner), inverse=kernel == "dkdv")
     pad = (1,) * (3 - len(axes))
-    return Launch(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages, cfg.tma, cfg.maxnreg)
+    return ResolvedConfig(pad + tuple(outer), pad + tuple(inner), cfg.num_warps, cfg.num_stages, cfg.tma, cfg.maxnreg)
 
 
 def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True, tma: bool = False,
-         host_descriptors: bool = False) -> Launch:
-    """Configuration for one kernel launch; ``run(launch)`` executes the kernel once (for tuning).
+         host_descriptors: bool = False) -> ResolvedConfig:
+    """The resolved configuration of one kernel for a problem; ``run(config)`` executes the kernel once with a
+    candidate (for tuning).
     ``tma``: the launch can use TMA loads (else the tuner skips those candidates, which would run as
     their pointer-load twins); ``host_descriptors``: its TMA descriptors are built on the host
     (``launch.host_descriptors_ok``), which decides whether the defaults keep TMA on short loops."""
@@ -313,23 +314,23 @@ def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True,
     # Host time matters for small problems: one dict lookup per launch once a problem was seen.
     memo_key = (kernel, params, q.dtype, dot_precision(q.dtype), tuple(q.shape), k.shape[-2], v.shape[-1], has_rpb,
                 q.device, tunable and autotune_enabled(), tma, host_descriptors)
-    launch = _memo.get(memo_key)
-    if launch is None:
-        launch = _memo[memo_key] = _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
-    return launch
+    resolved = _memo.get(memo_key)
+    if resolved is None:
+        resolved = _memo[memo_key] = _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
+    return resolved
 
 
-def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors) -> Launch:
+def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors) -> ResolvedConfig:
     key = problem_key(kernel, q, k, v, params, has_rpb)
     entry = _load().get(key)
     if entry is not None:
-        return Launch(tuple(entry["outer_tile"]), tuple(entry["inner_tile"]), entry["num_warps"], entry["num_stages"],
-                      entry.get("tma", False), entry.get("maxnreg"))
+        return ResolvedConfig(tuple(entry["outer_tile"]), tuple(entry["inner_tile"]), entry["num_warps"],
+                              entry["num_stages"], entry.get("tma", False), entry.get("maxnreg"))
     if tunable and autotune_enabled() and q.is_cuda:
-        launch = _tune(kernel, q, params, run, key, tma)
-        if launch is not None:
-            return launch
-    return _default_launch(kernel, params, row_width(max(q.shape[-1], v.shape[-1]), q.dtype), host_descriptors)
+        tuned = _tune(kernel, q, params, run, key, tma)
+        if tuned is not None:
+            return tuned
+    return _default_resolved(kernel, params, row_width(max(q.shape[-1], v.shape[-1]), q.dtype), host_descriptors)
 
 
 # A program that builds its TMA descriptors itself pays for it once, so TMA pays only over a long enough loop
@@ -339,17 +340,17 @@ def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
 MIN_TMA_LOOP = 16
 
 
-def _default_launch(kernel: str, params, width: int, host_descriptors: bool = False) -> Launch:
-    """The defaults-table launch for a ``row_width``, without TMA where a program's loop is short and builds
-    its own descriptors (``host_descriptors``: the launcher passes them in, as it decided with the tensors)."""
-    launch = resolve(default_config(kernel, width, params), params, kernel)
-    if launch.tma and not host_descriptors:
-        outer, inner = launch.outer_tile, launch.inner_tile
+def _default_resolved(kernel: str, params, width: int, host_descriptors: bool = False) -> ResolvedConfig:
+    """The defaults-table entry for a ``row_width``, resolved, without TMA where a program's loop is short and
+    builds its own descriptors (``host_descriptors``: the launcher passes them in, as it decided with the tensors)."""
+    resolved = resolve(default_config(kernel, width, params), params, kernel)
+    if resolved.tma and not host_descriptors:
+        outer, inner = resolved.outer_tile, resolved.inner_tile
         axes = axes_of(params)
         pad = 3 - len(axes)
         if loop_length(axes, outer[pad:], inner[pad:], inverse=kernel == "dkdv") < MIN_TMA_LOOP:
-            launch = dataclasses.replace(launch, tma=False)
-    return launch
+            resolved = dataclasses.replace(resolved, tma=False)
+    return resolved
 
 
 def _kernel_ms(fn) -> float:
@@ -372,16 +373,16 @@ def _tune(kernel, q, params, run, key, tma):
     for cfg in [default] + CANDIDATES[kernel]:
         if cfg.tma and not tma:  # would run as its pointer-load twin: time that one (once)
             cfg = dataclasses.replace(cfg, tma=False)
-        launch = resolve(cfg, params, kernel)
-        if launch in seen:
+        candidate = resolve(cfg, params, kernel)
+        if candidate in seen:
             continue
-        seen.add(launch)
+        seen.add(candidate)
         try:
-            ms = _kernel_ms(lambda: run(launch))
+            ms = _kernel_ms(lambda: run(candidate))
         except Exception as err:  # e.g. out of shared memory for this shape: skip the candidate
-            log.debug("fused autotune %s: %s failed: %s", kernel, launch, err)
+            log.debug("fused autotune %s: %s failed: %s", kernel, candidate, err)
             continue
-        results.append((ms, launch))
+        results.append((ms, candidate))
     if not results:
         return None
     ms, best = min(results, key=lambda r: r[0])

@@ -593,7 +593,7 @@ def na_fwd_nonfinite_kernel(
 
 @dataclass(frozen=True)
 class HopperForward:
-    """A forward problem's launches on the Hopper kernel (``plan``)."""
+    """A forward problem's launch on the Hopper kernel, its non-finite fixup included (``build_launch``)."""
 
     q_tile: tuple  # (T0, T1, T2)
     kv_tile: tuple  # (U0, U1, U2)
@@ -619,7 +619,7 @@ class HopperForward:
     @property
     def persistent(self) -> bool:
         """Whether the main kernel runs one program per SM over all work items (``PERSISTENT_MASKED``,
-        ``PERSISTENT_MASKED_RANKS``; decided by ``plan`` for the kernel's ``PERSISTENT_``)."""
+        ``PERSISTENT_MASKED_RANKS``; decided by ``build_launch`` for the kernel's ``PERSISTENT_``)."""
         return self.meta["PERSISTENT_"]
 
     def main_grid(self, device: torch.device) -> tuple:
@@ -671,7 +671,7 @@ def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float, ranks: tuple = 
 @functools.lru_cache(maxsize=256)
 def longest_loop(params: NAParams) -> int:
     """The most key boxes one query tile of the forward and dQ visits (kept per problem: the forward, dQ and dK/dV
-    planners each ask ``unsupported``, and the tile search behind it takes milliseconds on 3-D problems)."""
+    plans each ask ``unsupported``, and the tile search behind it takes milliseconds on 3-D problems)."""
     axes = tiles.axes_of(params)
     return tiles.max_boxes(axes, *tiles.choose_tiles(axes, ROWS, COLS))
 
@@ -686,7 +686,7 @@ def window_tables(params: NAParams, q_tile) -> tuple[torch.Tensor, torch.Tensor,
     starts = torch.zeros(3, lmax, 2, dtype=torch.int32)
     spans = torch.zeros(3, ntmax, 8, dtype=torch.int32)
     for a, (ax, t) in enumerate(zip(axes, q_tile)):
-        start, stop = tiles.axis_windows(ax)  # the tile planner's windows (ops.window's rules), cached per axis
+        start, stop = tiles.axis_windows(ax)  # the tile search's windows (ops.window's rules), cached per axis
         starts[a, :ax.Lg] = torch.tensor([start, stop], dtype=torch.int32).T
         for tile in range(-(-ax.Lg // t)):
             first, last = tile * t, min(tile * t + t, ax.Lg) - 1
@@ -746,7 +746,7 @@ def fixup_meta(params: NAParams, q_tile, d: int) -> dict:
                 num_warps=4, num_stages=1)
 
 
-def plan(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperForward:
+def build_launch(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperForward:
     """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted."""
     from . import launch
 

@@ -82,15 +82,16 @@ def gather_rows(block_d: int, block_dv: int) -> int:
     return max(2, 128 // max(block_d, block_dv))
 
 
-def _constexprs(params: NAParams, launch: autotune.Launch, q_tile, kv_tile, d, dv, has_rpb, idx64, precision):
+def _constexprs(params: NAParams, config: autotune.ResolvedConfig, q_tile, kv_tile, d, dv, has_rpb, idx64,
+                precision):
     _, _, _, _, C = _axes3(params)
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
     return dict(IDX64=idx64, PREC=precision, GATHER_ROWS=gather_rows(block_d, block_dv),
         CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
         T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], U0=kv_tile[0], U1=kv_tile[1], U2=kv_tile[2],
         BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_RPB=has_rpb, num_warps=launch.num_warps, num_stages=launch.num_stages,
-    ) | ({"maxnreg": launch.maxnreg} if launch.maxnreg else {})
+        HAS_RPB=has_rpb, num_warps=config.num_warps, num_stages=config.num_stages,
+    ) | ({"maxnreg": config.maxnreg} if config.maxnreg else {})
 
 
 # The backward kernels read their tiles through descriptors built on the host, as the forward does, where the layout
@@ -106,12 +107,12 @@ BACKWARD_HOST_DESCRIPTORS = True
 MASK_IN_DOT_FROM = 0.5
 
 
-def mask_in_dot(params: NAParams, launch: autotune.Launch, scale: float, inverse: bool = False) -> bool:
-    """A kernel's ``MASK_IN_DOT`` for a launch (see ``MASK_IN_DOT_FROM``; ``inverse``: dK/dV, whose outer tiles are
-    keys).  Needs a positive scale: the scores are scaled after the matmul, and -inf must stay -inf."""
+def mask_in_dot(params: NAParams, config: autotune.ResolvedConfig, scale: float, inverse: bool = False) -> bool:
+    """A kernel's ``MASK_IN_DOT`` for a resolved config (see ``MASK_IN_DOT_FROM``; ``inverse``: dK/dV, whose outer
+    tiles are keys).  Needs a positive scale: the scores are scaled after the matmul, and -inf must stay -inf."""
     axes = axes_of(params)
     pad = 3 - len(axes)
-    partial = partial_axes(axes, launch.outer_tile[pad:], launch.inner_tile[pad:], inverse)
+    partial = partial_axes(axes, config.outer_tile[pad:], config.inner_tile[pad:], inverse)
     return scale > 0 and partial >= MASK_IN_DOT_FROM * len(axes)
 
 
@@ -273,41 +274,41 @@ def _alignment(tensors) -> tuple:
     return tuple([t.data_ptr() % 16 == 0 for t in tensors if isinstance(t, torch.Tensor)])
 
 
-def _pointer_arguments(plan: _Launch, tensors):
+def _pointer_arguments(launch: _Launch, tensors):
     """The tensors' addresses where every argument is a tensor and the call matches the alignment the kernel was
     compiled for, else None.  Triton's launcher takes an address as it is, where a tensor costs it a ``data_ptr``
     call and a driver query per argument (the plan already checked device and layout)."""
-    if not plan.pointers_only:
+    if not launch.pointers_only:
         return None
     pointers = [t.data_ptr() for t in tensors]
-    if plan.all_aligned:
+    if launch.all_aligned:
         combined = 0
         for pointer in pointers:
             combined |= pointer
         return pointers if combined % 16 == 0 else None
-    return pointers if tuple([p % 16 == 0 for p in pointers]) == plan.aligned else None
+    return pointers if tuple([p % 16 == 0 for p in pointers]) == launch.aligned else None
 
 
-def _compiled_launch(plan: _Launch, tensors) -> bool:
-    """Launches ``plan.compiled`` directly; False when the call must take Triton's normal launch."""
-    compiled = plan.compiled
+def _compiled_launch(launch: _Launch, tensors) -> bool:
+    """Launches ``launch.compiled`` directly; False when the call must take Triton's normal launch."""
+    compiled = launch.compiled
     if compiled is None:
         return False
     # launch hooks (profilers) get what Triton's own launch would give them, the tensors included; an empty hook
     # chain (what Triton installs by default) is passed as None, which skips building the launch metadata
     enter, leave = _hook(triton.knobs.runtime.launch_enter_hook), _hook(triton.knobs.runtime.launch_exit_hook)
-    pointers = _pointer_arguments(plan, tensors) if enter is None else None
+    pointers = _pointer_arguments(launch, tensors) if enter is None else None
     if pointers is None:
-        if _alignment(tensors) != plan.aligned:
+        if _alignment(tensors) != launch.aligned:
             return False
         pointers = tensors
     device = _current_device()
-    if device != plan.device:  # the compiled module is loaded on the device it was launched on
+    if device != launch.device:  # the compiled module is loaded on the device it was launched on
         return False
     stream = triton.runtime.driver.active.get_current_stream(device)
-    args = (*pointers, *plan.scalars, *plan.constexprs)
-    metadata = compiled.launch_metadata(plan.grid, stream, *args) if enter is not None else None
-    compiled.run(plan.grid[0], plan.grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
+    args = (*pointers, *launch.scalars, *launch.constexprs)
+    metadata = compiled.launch_metadata(launch.grid, stream, *args) if enter is not None else None
+    compiled.run(launch.grid[0], launch.grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
                  enter, leave, *args)
     return True
 
@@ -317,7 +318,7 @@ _CUDA_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _current_device() -> int:
-    """The current CUDA device; a compiled plan exists only once CUDA is up, so torch's lazy-init check (a few
+    """The current CUDA device; a compiled launch exists only once CUDA is up, so torch's lazy-init check (a few
     microseconds per launch) is skipped where this torch has the direct query."""
     return _CUDA_GET_DEVICE() if _CUDA_GET_DEVICE is not None else torch.cuda.current_device()
 
@@ -327,17 +328,17 @@ def _hook(hook):
     return None if hook is None or getattr(hook, "calls", None) == [] else hook
 
 
-def _remember_compiled(plan: _Launch, compiled, tensors) -> None:
-    """Keeps the compiled kernel of a plan when this Triton exposes the launcher it uses."""
+def _remember_compiled(launch: _Launch, compiled, tensors) -> None:
+    """Keeps a launch's compiled kernel when this Triton exposes the launcher it uses."""
     needed = ("run", "function", "packed_metadata")
     if compiled is None or not all(hasattr(compiled, name) for name in needed):
         return  # interpreter, or a Triton whose compiled kernels look different: keep the normal launch
-    plan.constexprs = tuple(plan.meta[name] for name in plan.kernel.arg_names if name in plan.meta)
-    plan.aligned = _alignment(tensors)
-    plan.pointers_only = all(isinstance(t, torch.Tensor) for t in tensors)
-    plan.all_aligned = all(plan.aligned)
-    plan.device = triton.runtime.driver.active.get_current_device()
-    plan.compiled = compiled
+    launch.constexprs = tuple(launch.meta[name] for name in launch.kernel.arg_names if name in launch.meta)
+    launch.aligned = _alignment(tensors)
+    launch.pointers_only = all(isinstance(t, torch.Tensor) for t in tensors)
+    launch.all_aligned = all(launch.aligned)
+    launch.device = triton.runtime.driver.active.get_current_device()
+    launch.compiled = compiled
 
 
 # A kernel's launches for one problem: one per batch range whose B*H fits the grid (``batch_chunks``), each
@@ -467,7 +468,7 @@ def bias_tiles_fit(heads: int, programs: int, boxes: int, tile: int) -> bool:
     return heads * programs * boxes * tile <= BIAS_TILE_ELEMENTS
 
 
-def _boxes_and_tile(params: NAParams, config: autotune.Launch, inverse: bool = False) -> tuple[int, int]:
+def _boxes_and_tile(params: NAParams, config: autotune.ResolvedConfig, inverse: bool = False) -> tuple[int, int]:
     """(the most boxes any program of a launch visits, elements per box): a launch's bias tiles per program and
     head (``inverse``: dK/dV's loops)."""
     pad = 3 - params.rank
@@ -520,7 +521,7 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
     tma_ok = tma_eligible(k4, v4)
     host_desc = host_descriptors and tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
     why = hopper.unsupported(q4, k4, v4, rpb, params, scale) if host_descriptors else NO_HOST_DESCRIPTORS
-    on_hopper = hopper.plan(q4, k4, v4, params, scale, need_lse) if _takes_hopper("forward", why) else None
+    on_hopper = hopper.build_launch(q4, k4, v4, params, scale, need_lse) if _takes_hopper("forward", why) else None
     if on_hopper is not None:
         return ForwardPlan((), n, (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
                            as_tokens=not _same_memory(((q4, q), (k4, k), (v4, v))), rpb_direct=False,
@@ -530,7 +531,7 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
     bias_tiles = BIAS_TILES and has_rpb and scale > 0
 
     @functools.cache  # the tuner runs each candidate many times
-    def decide(config: autotune.Launch):
+    def decide(config: autotune.ResolvedConfig):
         window, programs = _window_args(params, config.outer_tile)
         meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, idx64, precision)
         boxes, tile = _boxes_and_tile(params, config)
@@ -555,7 +556,7 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
         return (_rpb_table(rpb, hq) if has_rpb else q4, torch.empty((b, n, hq, dv), dtype=q.dtype, device=q.device),
                 torch.empty((b, n, hq), dtype=torch.float32, device=q.device))
 
-    def run_candidate(config: autotune.Launch):
+    def run_candidate(config: autotune.ResolvedConfig):
         launches, layouts, tiles = decide(config)
         table, out, lse = tuning_outputs()
         _run_chunks(launches, (q4, k4, v4, table, out, lse, *descriptor_args(q4, layouts, (k4, v4)),
@@ -796,12 +797,14 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
                                *descriptor_args(q4, layouts, (k4, v4), (q4, do4)), _bias_tiles(tiles, s["table"], q4)))
 
     why = hopper_dq.unsupported(q4, k4, v4, do4, o4, rpb, params, scale) if host_descriptors else NO_HOST_DESCRIPTORS
-    dq_on_hopper = hopper_dq.plan(q4, k4, v4, do4, o4, params, scale, grads[0]) if _takes_hopper("dQ", why) else None
+    dq_on_hopper = (hopper_dq.build_launch(q4, k4, v4, do4, o4, params, scale, grads[0])
+                    if _takes_hopper("dQ", why) else None)
     dq_config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tunable=dq_on_hopper is None, tma=dq_tma_ok,
                               host_descriptors=dq_host)
     dq_launches, dq_layouts, dq_tiles, dq_offsets = decide_dq(dq_config)
     why = hopper_dkdv.unsupported(q4, k4, v4, do4, rpb, params, scale) if host_descriptors else NO_HOST_DESCRIPTORS
-    on_hopper = hopper_dkdv.plan(q4, k4, v4, do4, params, scale, grads[1:]) if _takes_hopper("dK/dV", why) else None
+    on_hopper = (hopper_dkdv.build_launch(q4, k4, v4, do4, params, scale, grads[1:])
+                 if _takes_hopper("dK/dV", why) else None)
     config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tunable=on_hopper is None, tma=dkdv_tma_ok,
                            host_descriptors=dkdv_host)
     dkdv_launches, dkdv_layouts, dkdv_tiles = decide_dkdv(config)
