@@ -2,6 +2,8 @@
 on_after_batch_transfer``): the loaders hand over uint8, the device normalises with timm's numbers."""
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -76,3 +78,39 @@ def test_new_model_defaults_renew_the_normalisation():
 def test_a_batch_without_images_passes_through():
     dm = _synthetic_module()
     assert dm.on_after_batch_transfer((None, None, ["a.jpg"]), 0) == (None, None, ["a.jpg"])
+
+
+@pytest.mark.parametrize("count, splits", [(1, 0), (3, 0), (2, 2)])
+def test_batch_random_erasing_draws_timms_boxes(count, splits):
+    """The same random state gives the boxes timm's per-image loop erases (const mode on ones shows them)."""
+    from timm.data.random_erasing import RandomErasing
+
+    from namodels.data.device_transforms import BatchRandomErasing
+
+    kwargs = dict(probability=0.6, mode="const", max_count=count, min_count=1, num_splits=splits, device="cpu")
+    for seed in range(5):
+        random.seed(seed)
+        expected = RandomErasing(**kwargs)(torch.ones(16, 3, 40, 52))
+        after_timm = random.random()
+        random.seed(seed)
+        got = BatchRandomErasing(**kwargs)(torch.ones(16, 3, 40, 52))
+        assert torch.equal(got, expected) and (got == 0).any()
+        assert random.random() == after_timm  # the same draws consumed
+
+
+def test_batch_random_erasing_fills_like_timm():
+    """pixel mode: erased pixels are standard normal; rand mode: one normal colour per box and channel."""
+    from namodels.data.device_transforms import BatchRandomErasing
+
+    random.seed(0)
+    torch.manual_seed(0)
+    x = torch.full((64, 3, 32, 32), 7.0)
+    pixel = BatchRandomErasing(1.0, mode="pixel", device="cpu")(x.clone())
+    values = pixel[pixel != 7.0]
+    assert values.numel() > 5000 and abs(values.mean()) < 0.05 and abs(values.std() - 1) < 0.05
+    assert ((pixel != 7.0).flatten(1).any(1)).all()  # probability 1: every image erased
+    rand = BatchRandomErasing(1.0, mode="rand", device="cpu")(x.clone())
+    for image in rand:
+        erased = image != 7.0
+        for c in range(3):
+            assert image[c][erased[c]].unique().numel() == 1
