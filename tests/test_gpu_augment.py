@@ -424,3 +424,50 @@ def test_bad_call_arguments_raise():
     params = aug.draw(2, (16, 16), torch.Generator())
     with pytest.raises(ValueError, match="images"):
         aug.apply(smooth_images(2, 18, 16), params)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (e) on the GPU: the same ops and statistics (the CPU results above are timm's)
+# ---------------------------------------------------------------------------------------------------------------
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA device")
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+def test_every_op_on_the_gpu_matches_timm(monkeypatch):
+    """Each op at every magnitude, sign and filter on CUDA against timm's op on PIL images."""
+    device = _cuda()
+    x = smooth_images(4, 40, 48, seed=1)
+    for name in ga.SUPPORTED_OPS:
+        for magnitude in (0.0, 5.5, 10.0):
+            for negate in (False, True):
+                for mode in (ga._BILINEAR, ga._BICUBIC, ga._NEAREST):
+                    spec, params = one_op_params(name, magnitude, negate, mode, 4, (40, 48))
+                    ours = augment_with_spec(spec).apply(x.to(device), params).cpu()
+                    ref = from_pil(timm_op(name, to_pil(im), magnitude, negate, PIL_MODES[mode], 18, monkeypatch)
+                                   for im in x)
+                    diff = (ours.int() - ref.int()).abs()
+                    where = f"{name} m={magnitude} negate={negate} mode={ga.INTERPOLATIONS[mode]}"
+                    assert diff.float().mean() < 0.05, where
+                    assert (diff > 1).float().mean() < 0.002, where
+
+
+@pytest.mark.gpu
+def test_batch_statistics_on_the_gpu_match_timm():
+    device = _cuda()
+    config = "rand-m9-mstd0.5-inc1"
+    x = dark_images(2048, 12, seed=5)
+    ours = channel_stats(ga.GPUAugment(hflip=0.0, auto_augment=config)(x.to(device),
+                                                                      torch.Generator().manual_seed(0)).cpu())
+    random.seed(0)
+    np.random.seed(0)
+    ref = channel_stats(from_pil(timm_rand_augment(config)(to_pil(im)) for im in x))
+    assert ((ours - ref).abs() / ref).max() < 0.05, (ours, ref)
+    x = dark_images(2048, 8, seed=6)
+    ours = channel_stats(ga.GPUAugment(hflip=0.0, color_jitter=(0.4, 0.4, 0.4, 0.1))(
+        x.to(device), torch.Generator().manual_seed(0)).cpu())
+    torch.manual_seed(0)
+    ref = channel_stats(from_pil(T.ColorJitter(0.4, 0.4, 0.4, 0.1)(to_pil(im)) for im in x))
+    assert ((ours - ref).abs() / ref).max() < 0.05, (ours, ref)
