@@ -257,15 +257,21 @@ def window_regime(params) -> str:
 
 def default_config(kernel: str, head_dim: int, params=None) -> Config:
     """The defaults-table entry for a ``row_width`` (and, given the problem, its window regime)."""
+    return _default_entry(kernel, head_dim, params)[1]
+
+
+def _default_entry(kernel: str, head_dim: int, params=None) -> tuple[str, Config]:
+    """``default_config``'s entry and the name of its table."""
     if params is not None and head_dim <= REGIME_MAX_WIDTH:
         regime = window_regime(params)
-        table = {"small": SMALL_WINDOW_DEFAULTS, "dense-group": DENSE_GROUP_DEFAULTS}.get(regime, {})
+        name, table = {"small": ("SMALL_WINDOW_DEFAULTS", SMALL_WINDOW_DEFAULTS),
+                       "dense-group": ("DENSE_GROUP_DEFAULTS", DENSE_GROUP_DEFAULTS)}.get(regime, ("", {}))
         if kernel in table:
-            return table[kernel]
+            return name, table[kernel]
     for bound, cfg in DEFAULTS[kernel]:
         if head_dim <= bound:
-            return cfg
-    return DEFAULTS[kernel][-1][1]
+            return "DEFAULTS", cfg
+    return "DEFAULTS", DEFAULTS[kernel][-1][1]
 
 
 def row_width(head_dim: int, dtype) -> int:
@@ -312,24 +318,54 @@ def pick(kernel: str, q, k, v, params, has_rpb: bool, run, tunable: bool = True,
     if kernel in _forced:
         return resolve(_forced[kernel], params, kernel)
     # Host time matters for small problems: one dict lookup per launch once a problem was seen.
-    memo_key = (kernel, params, q.dtype, dot_precision(q.dtype), tuple(q.shape), k.shape[-2], v.shape[-1], has_rpb,
-                q.device, tunable and autotune_enabled(), tma, host_descriptors)
+    memo_key = _memo_key(kernel, q, k, v, params, has_rpb, tunable, tma, host_descriptors)
     resolved = _memo.get(memo_key)
     if resolved is None:
         resolved = _memo[memo_key] = _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
     return resolved
 
 
-def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors) -> ResolvedConfig:
+def lookup(kernel: str, q, k, v, params, has_rpb: bool, tunable: bool = True, tma: bool = False,
+           host_descriptors: bool = False) -> tuple[ResolvedConfig | None, str]:
+    """``(config, source)``: what ``pick`` returns for these arguments and where it comes from, without tuning or
+    remembering anything; ``config`` is None where ``pick`` would run the tuner first."""
+    if kernel in _forced:
+        return resolve(_forced[kernel], params, kernel), "pinned by autotune.forced"
+    config, source = _stored_or_default(kernel, q, k, v, params, has_rpb, tunable, host_descriptors)
+    memo = _memo.get(_memo_key(kernel, q, k, v, params, has_rpb, tunable, tma, host_descriptors))
+    if memo is not None:
+        return memo, f"picked earlier in this process (autotune._memo; now: {source})"
+    return config, source
+
+
+def _memo_key(kernel, q, k, v, params, has_rpb, tunable, tma, host_descriptors) -> tuple:
+    return (kernel, params, q.dtype, dot_precision(q.dtype), tuple(q.shape), k.shape[-2], v.shape[-1], has_rpb,
+            q.device, tunable and autotune_enabled(), tma, host_descriptors)
+
+
+def _stored_or_default(kernel, q, k, v, params, has_rpb, tunable, host_descriptors) -> tuple:
+    """``(config, source)`` of ``_pick``'s first step: the tuning cache's entry, else None where the tuner runs,
+    else the defaults table's."""
     key = problem_key(kernel, q, k, v, params, has_rpb)
     entry = _load().get(key)
     if entry is not None:
-        return ResolvedConfig(tuple(entry["outer_tile"]), tuple(entry["inner_tile"]), entry["num_warps"],
-                              entry["num_stages"], entry.get("tma", False), entry.get("maxnreg"))
+        return (ResolvedConfig(tuple(entry["outer_tile"]), tuple(entry["inner_tile"]), entry["num_warps"],
+                               entry["num_stages"], entry.get("tma", False), entry.get("maxnreg")),
+                f"tuning cache entry {key} ({cache_path()})")
     if tunable and autotune_enabled() and q.is_cuda:
-        tuned = _tune(kernel, q, params, run, key, tma)
-        if tuned is not None:
-            return tuned
+        return None, f"the tuner, on first use (stored as {key})"
+    width = row_width(max(q.shape[-1], v.shape[-1]), q.dtype)
+    return _default_resolved(kernel, params, width, host_descriptors), default_source(kernel, params, width,
+                                                                                      host_descriptors)
+
+
+def _pick(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors) -> ResolvedConfig:
+    config, _ = _stored_or_default(kernel, q, k, v, params, has_rpb, tunable, host_descriptors)
+    if config is not None:
+        return config
+    tuned = _tune(kernel, q, params, run, problem_key(kernel, q, k, v, params, has_rpb), tma)
+    if tuned is not None:
+        return tuned
     return _default_resolved(kernel, params, row_width(max(q.shape[-1], v.shape[-1]), q.dtype), host_descriptors)
 
 
@@ -351,6 +387,15 @@ def _default_resolved(kernel: str, params, width: int, host_descriptors: bool = 
         if loop_length(axes, outer[pad:], inner[pad:], inverse=kernel == "dkdv") < MIN_TMA_LOOP:
             resolved = dataclasses.replace(resolved, tma=False)
     return resolved
+
+
+def default_source(kernel: str, params, width: int, host_descriptors: bool = False) -> str:
+    """Which defaults-table entry ``_default_resolved`` takes, in words."""
+    table, config = _default_entry(kernel, width, params)
+    words = f"defaults: {table}[{kernel!r}] ({window_regime(params)} window, row width {width})"
+    if config.tma and not _default_resolved(kernel, params, width, host_descriptors).tma:
+        words += f"; TMA off: a loop under MIN_TMA_LOOP ({MIN_TMA_LOOP}) boxes without host descriptors"
+    return words
 
 
 def _kernel_ms(fn) -> float:

@@ -722,17 +722,30 @@ def query_boxes(params: NAParams, device) -> tuple:
     axis, the window tables (``window_tables``) and the order the tiles run in (``tile_order``)."""
     from . import launch
 
-    pad = 3 - params.rank
-    axes = tiles.axes_of(params)
-    q_tile, kv_tile = tiles.choose_tiles(axes, ROWS, COLS)
-    masked = tiles.partial_axes(axes, q_tile, kv_tile) > 0
-    q_tile, kv_tile = (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile)
+    q_tile, kv_tile, masked = query_tiles(params)
     window, programs = launch._window_args(params, q_tile)
     nt = tuple(window[12:15])
     tables = window_tables(params, q_tile)  # on the host: the order is searched on their spans, then they move
     device = torch.device(device)
     order = tile_order(nt, tables[1], device)
     return q_tile, kv_tile, masked, programs, nt, tuple(t.to(device) for t in tables), order
+
+
+def query_tiles(params: NAParams) -> tuple[tuple, tuple, bool]:
+    """``(q_tile, kv_tile, masked)``: the forward's and dQ's 128-row query box and 128-key box per axis
+    (``tiles.choose_tiles``, leading dummy axes first) and whether some key box of some program needs a mask."""
+    pad = 3 - params.rank
+    axes = tiles.axes_of(params)
+    q_tile, kv_tile = tiles.choose_tiles(axes, ROWS, COLS)
+    masked = tiles.partial_axes(axes, q_tile, kv_tile) > 0
+    return (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile), masked
+
+
+def runs_persistent(params: NAParams, masked: bool) -> bool:
+    """Whether the forward's main kernel runs one program per SM over the work items (``PERSISTENT_``): mask-free
+    launches, and masked ones where ``PERSISTENT_MASKED`` or the rank and causality allow it."""
+    return (not masked or PERSISTENT_MASKED
+            or (params.rank in PERSISTENT_MASKED_RANKS and not any(params.is_causal)))
 
 
 def fixup_meta(params: NAParams, q_tile, d: int) -> dict:
@@ -760,9 +773,7 @@ def build_launch(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> 
     box, offset = half_box(q_tile)
     scalars = (*lse_strides, hq, hq // hkv, qk_scale, *L, *nt, starts.shape[1], spans.shape[1],
                *offset, int(need_lse), int(masked), programs * b * hq)
-    persistent = (not masked or PERSISTENT_MASKED
-                  or (params.rank in PERSISTENT_MASKED_RANKS and not any(params.is_causal)))
-    meta = dict(PERSISTENT_=persistent, STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS,
+    meta = dict(PERSISTENT_=runs_persistent(params, masked), STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS,
                 PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *out_strides, *lse_strides,
                      hq, hq // hkv, d, qk_scale, *L, *K, *S, *nt)

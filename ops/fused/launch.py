@@ -507,6 +507,50 @@ def _takes_hopper(kernel: str, why: str | None) -> bool:
     return why is None
 
 
+# --- decisions ------------------------------------------------------------------------------------------------------
+# The launch parameters that are choices, as functions of the problem, its layout and a resolved config, with no
+# kernel run: ``plan_forward`` / ``plan_backward`` build their launches from them, and ``ops.fused.explain`` reports
+# them, so the two cannot disagree.
+
+@dataclass(frozen=True)
+class ForwardChoices:
+    """A forward's decisions that hold for every tile config (``forward_choices``)."""
+
+    hopper_why: str | None  # why the portable kernel runs; None: the Hopper kernel does
+    tma_ok: bool  # K/V tiles may be TMA copies (``tma_eligible``)
+    host_desc: bool  # ... through descriptors built on the host (``host_descriptors_ok``)
+    idx64: bool  # ``IDX64`` (``needs_int64``)
+    precision: str  # ``PREC`` (``autotune.dot_precision``)
+    bias_tiles: bool  # RPB through bias tiles wherever a launch's table fits (``BIAS_TILES``, positive scale)
+
+
+def forward_choices(q4, k4, v4, rpb, params: NAParams, scale: float, dtype: torch.dtype,
+                    host_descriptors: bool) -> ForwardChoices:
+    """``q4`` / ``k4`` / ``v4``: the kernels' ``[B, N, H, D]`` views (``_tokens``); ``dtype``: the inputs' dtype."""
+    b, hq = q4.shape[0], q4.shape[-2]
+    tma_ok = tma_eligible(k4, v4)
+    out4 = torch.empty((b, params.num_tokens, hq, v4.shape[-1]), device="meta")
+    return ForwardChoices(
+        hopper_why=hopper.unsupported(q4, k4, v4, rpb, params, scale) if host_descriptors else NO_HOST_DESCRIPTORS,
+        tma_ok=tma_ok, host_desc=host_descriptors and tma_ok and host_descriptors_ok(params, k4, v4, b, hq),
+        idx64=needs_int64(q4, k4, v4, out4), precision=autotune.dot_precision(dtype),
+        bias_tiles=BIAS_TILES and rpb is not None and scale > 0)
+
+
+def forward_flags(choices: ForwardChoices, params: NAParams, config: autotune.ResolvedConfig, scale: float,
+                  has_rpb: bool, heads: int, need_lse: bool) -> dict:
+    """The forward kernel's decided constexprs for a resolved config (the others: ``_constexprs``)."""
+    _, programs = _window_args(params, config.outer_tile)
+    flags = {"BIAS_TILES": choices.bias_tiles and bias_tiles_fit(heads, programs, *_boxes_and_tile(params, config))}
+    # the row max is taken before scaling, which needs a positive scale
+    flags["FOLD_SCALE"] = scale > 0 and (not has_rpb or flags["BIAS_TILES"])
+    flags["MASK_IN_DOT"] = flags["BIAS_TILES"] or (flags["FOLD_SCALE"] and mask_in_dot(params, config, scale))
+    flags["TMA"] = config.tma and choices.tma_ok
+    flags["HOST_DESC"] = flags["TMA"] and choices.host_desc
+    flags["STORE_LSE"] = need_lse
+    return flags
+
+
 def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
                  host_descriptors: bool = True) -> ForwardPlan:
     """The forward's launches for these inputs' problem and layout: tiles (defaults, cache or tuner), TMA and
@@ -518,30 +562,22 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
     out4 = torch.empty((b, n, hq, dv), device="meta")
     lse_strides = (n * hq, hq) if need_lse else (0, 0)
     has_rpb = rpb is not None
-    tma_ok = tma_eligible(k4, v4)
-    host_desc = host_descriptors and tma_ok and host_descriptors_ok(params, k4, v4, b, hq)
-    why = hopper.unsupported(q4, k4, v4, rpb, params, scale) if host_descriptors else NO_HOST_DESCRIPTORS
+    # (precision: torch's float32 matmul setting, part of the plan's key)
+    choices = forward_choices(q4, k4, v4, rpb, params, scale, q.dtype, host_descriptors)
+    why = choices.hopper_why
     on_hopper = hopper.build_launch(q4, k4, v4, params, scale, need_lse) if _takes_hopper("forward", why) else None
     if on_hopper is not None:
         return ForwardPlan((), n, (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
                            as_tokens=not _same_memory(((q4, q), (k4, k), (v4, v))), rpb_direct=False,
                            hopper=on_hopper)
-    precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
-    idx64 = needs_int64(q4, k4, v4, out4)
-    bias_tiles = BIAS_TILES and has_rpb and scale > 0
 
     @functools.cache  # the tuner runs each candidate many times
     def decide(config: autotune.ResolvedConfig):
         window, programs = _window_args(params, config.outer_tile)
-        meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, idx64, precision)
+        meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, choices.idx64,
+                           choices.precision)
         boxes, tile = _boxes_and_tile(params, config)
-        meta["BIAS_TILES"] = bias_tiles and bias_tiles_fit(hq, programs, boxes, tile)
-        # the row max is taken before scaling, which needs a positive scale
-        meta["FOLD_SCALE"] = scale > 0 and (not has_rpb or meta["BIAS_TILES"])
-        meta["MASK_IN_DOT"] = meta["BIAS_TILES"] or (meta["FOLD_SCALE"] and mask_in_dot(params, config, scale))
-        meta["TMA"] = config.tma and tma_ok
-        meta["HOST_DESC"] = meta["TMA"] and host_desc
-        meta["STORE_LSE"] = need_lse
+        meta.update(forward_flags(choices, params, config, scale, has_rpb, hq, need_lse))
         scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4), *lse_strides,
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window, boxes)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
@@ -562,7 +598,8 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
         _run_chunks(launches, (q4, k4, v4, table, out, lse, *descriptor_args(q4, layouts, (k4, v4)),
                                _bias_tiles(tiles, table, q4)))
 
-    config = autotune.pick("fwd", q, k, v, params, has_rpb, run_candidate, tma=tma_ok, host_descriptors=host_desc)
+    config = autotune.pick("fwd", q, k, v, params, has_rpb, run_candidate, tma=choices.tma_ok,
+                           host_descriptors=choices.host_desc)
     launches, layouts, tiles = decide(config)
     direct = _same_memory(((q4, q), (k4, k), (v4, v)))
     return ForwardPlan(launches, n, (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
@@ -676,6 +713,100 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     return dq, dk, dvv, _as_rpb_grad(total, rpb)
 
 
+@dataclass(frozen=True)
+class BackwardChoices:
+    """A backward's decisions that hold for every tile config (``backward_choices``)."""
+
+    dq_hopper_why: str | None  # why dQ runs on the portable kernel; None: on the Hopper kernel
+    dkdv_hopper_why: str | None  # the same for dK/dV
+    dq_tma_ok: bool  # dQ's K/V tiles may be TMA copies
+    dkdv_tma_ok: bool  # dK/dV's Q/dO (and K/V) tiles may be TMA copies
+    dq_host: bool  # ... through descriptors built on the host
+    dkdv_host: bool
+    idx64: bool
+    precision: str
+    bias_tiles: bool  # RPB through bias tiles wherever a launch's table fits
+    ds_atomic: bool  # dQ's window-layout dS summed over the batch by atomics (``window_ds_atomic``)
+    ds_tiles: bool  # dRPB from dQ's dS in the bias tiles' layout, where dQ's launch has bias tiles
+    ds_shape: tuple | None  # dQ's window-layout dS buffer, where dRPB may come from it (``rpb_grad.window_path_ok``)
+
+
+def backward_choices(q4, k4, v4, o4, do4, grads4, rpb, params: NAParams, scale: float, dtype: torch.dtype,
+                     deterministic: bool, want_drpb: bool, host_descriptors: bool) -> BackwardChoices:
+    """The kernels' ``[B, N, H, D]`` views of q, k, v, out, d_out and the gradient outputs (``_tokens``); ``dtype``:
+    the inputs' dtype."""
+    b, hq = q4.shape[0], q4.shape[-2]
+    has_rpb = rpb is not None
+    bias_tiles = BIAS_TILES and has_rpb and scale > 0
+    # dRPB from dQ's dS: added over the batch in the bias tiles' layout where dQ's launch has bias tiles
+    # (``rpb_grad.reduce_tile_ds``), else in window layout where that buffer is small enough, else from the offset pass
+    ds_atomic = window_ds_atomic(deterministic)
+    ds_shape = None
+    if has_rpb and want_drpb and rpb_grad.window_path_ok(1 if ds_atomic else b, hq, params):
+        ds_shape = rpb_grad.buffer_shape(1 if ds_atomic else b, hq, params)
+    ds_meta = () if ds_shape is None else (torch.empty(ds_shape, device="meta"),)
+    # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
+    # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
+    dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
+    kv_host = host_descriptors and BACKWARD_HOST_DESCRIPTORS and host_descriptors_ok(params, k4, v4, b, hq)
+    return BackwardChoices(
+        dq_hopper_why=(hopper_dq.unsupported(q4, k4, v4, do4, o4, rpb, params, scale) if host_descriptors
+                       else NO_HOST_DESCRIPTORS),
+        dkdv_hopper_why=(hopper_dkdv.unsupported(q4, k4, v4, do4, rpb, params, scale) if host_descriptors
+                         else NO_HOST_DESCRIPTORS),
+        dq_tma_ok=dq_tma_ok, dkdv_tma_ok=dkdv_tma_ok, dq_host=kv_host and dq_tma_ok,
+        dkdv_host=kv_host and dkdv_tma_ok and host_descriptors_ok(params, q4, do4, b, hq),
+        idx64=needs_int64(q4, k4, v4, do4, o4, *grads4, *ds_meta), precision=autotune.dot_precision(dtype),
+        bias_tiles=bias_tiles, ds_atomic=ds_atomic,
+        ds_tiles=bias_tiles and want_drpb and ds_atomic,  # where the chosen dQ launch's tiles fit (``dq_flags``)
+        ds_shape=ds_shape)
+
+
+def dq_flags(choices: BackwardChoices, params: NAParams, config: autotune.ResolvedConfig, scale: float, heads: int,
+             has_dlse: bool) -> dict:
+    """The dQ kernel's decided constexprs for a resolved config (the others: ``_constexprs``)."""
+    _, programs = _window_args(params, config.outer_tile)
+    flags = {"TMA": config.tma and choices.dq_tma_ok}
+    flags["HOST_DESC"] = flags["TMA"] and choices.dq_host
+    flags["BIAS_TILES"] = choices.bias_tiles and bias_tiles_fit(heads, programs, *_boxes_and_tile(params, config))
+    flags["DS_BOXES"] = choices.ds_tiles and flags["BIAS_TILES"]
+    flags["STORE_DS"] = choices.ds_shape is not None and not flags["DS_BOXES"]
+    flags["DS_ATOMIC"] = choices.ds_atomic
+    flags["MASK_IN_DOT"] = flags["BIAS_TILES"] or mask_in_dot(params, config, scale)
+    flags["HAS_DLSE"] = has_dlse
+    return flags
+
+
+def dkdv_flags(choices: BackwardChoices, params: NAParams, config: autotune.ResolvedConfig, scale: float,
+               heads: int) -> dict:
+    """The dK/dV kernel's decided constexprs for a resolved config (outer tile: keys; the others: ``_constexprs``)."""
+    _, programs = _window_args(params, config.outer_tile)
+    flags = {"BISECT": max(math.ceil(L / dil).bit_length() for L, dil in zip(params.spatial, params.dilation))}
+    flags["TMA"] = config.tma and choices.dkdv_tma_ok
+    flags["QUERY_ROWS"] = math.prod(config.inner_tile) >= DKDV_QUERY_ROWS_FROM
+    flags["HOST_DESC"] = flags["TMA"] and choices.dkdv_host
+    flags["BIAS_TILES"] = choices.bias_tiles and bias_tiles_fit(heads, programs,
+                                                                *_boxes_and_tile(params, config, inverse=True))
+    flags["MASK_IN_DOT"] = flags["BIAS_TILES"] or mask_in_dot(params, config, scale, inverse=True)
+    return flags
+
+
+def drpb_mode(dq: dict, has_rpb: bool, want_drpb: bool) -> str | None:
+    """How the backward sums dRPB, from dQ's flags (``dq_flags``): ``"tile-layout dS"``, ``"window-layout dS"``,
+    ``"offset pass"``, or None where no RPB gradient is wanted."""
+    if dq["DS_BOXES"]:
+        return "tile-layout dS"
+    if dq["STORE_DS"]:
+        return "window-layout dS"
+    return "offset pass" if has_rpb and want_drpb else None
+
+
+def offset_pass_atomic(deterministic: bool, partial_bytes: int) -> bool:
+    """Whether the offset pass adds dRPB with atomics rather than one partial row per program (see
+    ``DRPB_PARTIAL_BYTES``)."""
+    return not deterministic and partial_bytes > DRPB_PARTIAL_BYTES
+
+
 def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: float, deterministic: bool,
                   want_drpb: bool, grads=None, host_descriptors: bool = True) -> BackwardPlan:
     """The backward's launches for these inputs' problem and layout (see ``plan_forward``), and its dRPB path."""
@@ -686,15 +817,6 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     lse3 = lse.reshape(b, n, hq).float().contiguous()
     dlse = d_lse.reshape(b, n, hq).float().contiguous() if d_lse is not None else None
     has_rpb = rpb is not None
-    bias_tiles = BIAS_TILES and has_rpb and scale > 0
-    # dRPB from dQ's dS: added over the batch in the bias tiles' layout where dQ's launch has bias tiles
-    # (``rpb_grad.reduce_tile_ds``), else in window layout where that buffer is small enough, else from the offset pass
-    ds_atomic = window_ds_atomic(deterministic)
-    ds_tiles = bias_tiles and want_drpb and ds_atomic  # where the chosen dQ launch's tiles fit (``decide_dq``)
-    ds_shape = None
-    if has_rpb and want_drpb and rpb_grad.window_path_ok(1 if ds_atomic else b, hq, params):
-        ds_shape = rpb_grad.buffer_shape(1 if ds_atomic else b, hq, params)
-    ds_meta = None if ds_shape is None else torch.empty(ds_shape, device="meta")
     given = grads is not None
     if not given:  # allocated per call, contiguous
         grads = torch.empty((b, n, hq, d), device="meta"), torch.empty((b, n, hkv, d), device="meta"), \
@@ -702,30 +824,20 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     grads = tuple(g.reshape(b, n, g.shape[-2], g.shape[-1]) for g in grads)
     if any(g.stride(-1) != 1 for g in grads):
         raise ValueError("grads: the gradient outputs need unit last strides and flat-token views")
-    idx64 = needs_int64(q4, k4, v4, do4, o4, *grads, *(() if ds_meta is None else (ds_meta,)))
-    # with queries as rows dK/dV reads its own k/v tile by TMA too; all four must allow it (also asked of
-    # key-rows tiles, which read k/v with pointer loads: one rule for the plan)
-    dq_tma_ok, dkdv_tma_ok = tma_eligible(k4, v4), tma_eligible(q4, do4, k4, v4)
-    kv_host = host_descriptors and BACKWARD_HOST_DESCRIPTORS and host_descriptors_ok(params, k4, v4, b, hq)
-    dq_host = kv_host and dq_tma_ok
-    dkdv_host = kv_host and dkdv_tma_ok and host_descriptors_ok(params, q4, do4, b, hq)
-    precision = autotune.dot_precision(q.dtype)  # torch's float32 matmul setting, part of the plan's key
+    # (precision: torch's float32 matmul setting, part of the plan's key)
+    choices = backward_choices(q4, k4, v4, o4, do4, grads, rpb, params, scale, q.dtype, deterministic, want_drpb,
+                               host_descriptors)
+    ds_shape, ds_atomic = choices.ds_shape, choices.ds_atomic
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     tiles_dtype = bias_tiles_dtype(q.dtype)
 
     @functools.cache  # the tuner runs each candidate many times
     def decide_dq(config):
         window, programs = _window_args(params, config.outer_tile)
-        meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, idx64, precision)
+        meta = _constexprs(params, config, config.outer_tile, config.inner_tile, d, dv, has_rpb, choices.idx64,
+                           choices.precision)
         boxes, tile = _boxes_and_tile(params, config)
-        meta["TMA"] = config.tma and dq_tma_ok
-        meta["HOST_DESC"] = meta["TMA"] and dq_host
-        meta["BIAS_TILES"] = bias_tiles and bias_tiles_fit(hq, programs, boxes, tile)
-        meta["DS_BOXES"] = ds_tiles and meta["BIAS_TILES"]
-        meta["STORE_DS"] = ds_shape is not None and not meta["DS_BOXES"]
-        meta["DS_ATOMIC"] = ds_atomic
-        meta["MASK_IN_DOT"] = meta["BIAS_TILES"] or mask_in_dot(params, config, scale)
-        meta["HAS_DLSE"] = dlse is not None
+        meta.update(dq_flags(choices, params, config, scale, hq, dlse is not None))
         scalars = (*common, *_strides(grads[0]), *_window_ds_strides(ds_shape, ds_atomic), *_strides(o4), hq,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, boxes)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
@@ -741,14 +853,10 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     def decide_dkdv(config):
         # outer tile = KV tile, inner tile = query tile
         window, programs = _window_args(params, config.outer_tile)
-        meta = _constexprs(params, config, config.inner_tile, config.outer_tile, d, dv, has_rpb, idx64, precision)
-        meta["BISECT"] = max(math.ceil(L / dil).bit_length() for L, dil in zip(params.spatial, params.dilation))
-        meta["TMA"] = config.tma and dkdv_tma_ok
-        meta["QUERY_ROWS"] = math.prod(config.inner_tile) >= DKDV_QUERY_ROWS_FROM
-        meta["HOST_DESC"] = meta["TMA"] and dkdv_host
+        meta = _constexprs(params, config, config.inner_tile, config.outer_tile, d, dv, has_rpb, choices.idx64,
+                           choices.precision)
         boxes, tile = _boxes_and_tile(params, config, inverse=True)
-        meta["BIAS_TILES"] = bias_tiles and bias_tiles_fit(hq, programs, boxes, tile)
-        meta["MASK_IN_DOT"] = meta["BIAS_TILES"] or mask_in_dot(params, config, scale, inverse=True)
+        meta.update(dkdv_flags(choices, params, config, scale, hq))
         scalars = (*common, *_strides(grads[1]), *_strides(grads[2]), hkv,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, boxes)
         layouts = None
@@ -796,29 +904,28 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dk"], s["dv"],
                                *descriptor_args(q4, layouts, (k4, v4), (q4, do4)), _bias_tiles(tiles, s["table"], q4)))
 
-    why = hopper_dq.unsupported(q4, k4, v4, do4, o4, rpb, params, scale) if host_descriptors else NO_HOST_DESCRIPTORS
     dq_on_hopper = (hopper_dq.build_launch(q4, k4, v4, do4, o4, params, scale, grads[0])
-                    if _takes_hopper("dQ", why) else None)
-    dq_config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tunable=dq_on_hopper is None, tma=dq_tma_ok,
-                              host_descriptors=dq_host)
+                    if _takes_hopper("dQ", choices.dq_hopper_why) else None)
+    dq_config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tunable=dq_on_hopper is None,
+                              tma=choices.dq_tma_ok, host_descriptors=choices.dq_host)
     dq_launches, dq_layouts, dq_tiles, dq_offsets = decide_dq(dq_config)
-    why = hopper_dkdv.unsupported(q4, k4, v4, do4, rpb, params, scale) if host_descriptors else NO_HOST_DESCRIPTORS
     on_hopper = (hopper_dkdv.build_launch(q4, k4, v4, do4, params, scale, grads[1:])
-                 if _takes_hopper("dK/dV", why) else None)
-    config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tunable=on_hopper is None, tma=dkdv_tma_ok,
-                           host_descriptors=dkdv_host)
+                 if _takes_hopper("dK/dV", choices.dkdv_hopper_why) else None)
+    config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tunable=on_hopper is None,
+                           tma=choices.dkdv_tma_ok, host_descriptors=choices.dkdv_host)
     dkdv_launches, dkdv_layouts, dkdv_tiles = decide_dkdv(config)
     pairs = ((q4, q), (k4, k), (v4, v), (o4, out), (do4, d_out), (lse3, lse))
     if d_lse is not None:
         pairs += ((dlse, d_lse),)
     dq_meta = dq_launches[0][0].meta
+    mode = drpb_mode(dq_meta, has_rpb, want_drpb)
     plan = BackwardPlan(dq_launches, dkdv_launches, (b, n, hq, hkv, d, dv), params,
                         as_tokens=not _same_memory(pairs),
                         rpb_direct=_rpb_direct(rpb) and len(dq_launches) == 1 == len(dkdv_launches),
                         ds_window=ds_shape if dq_meta["STORE_DS"] else None, ds_atomic=ds_atomic,
                         dq_layouts=dq_layouts, dkdv_layouts=dkdv_layouts, dq_bias_tiles=dq_tiles,
                         dkdv_bias_tiles=dkdv_tiles, hopper_dq=dq_on_hopper, hopper_dkdv=on_hopper)
-    if dq_meta["DS_BOXES"]:
+    if mode == "tile-layout dS":
         n_rel = math.prod(rpb.shape[1:])
         plan.ds_tiles = dq_tiles[1]
         plan.tile_index = rpb_grad.tile_index((params, dq_config.outer_tile, dq_config.inner_tile), dq_offsets[0],
@@ -826,13 +933,14 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         plan.reduce = _Launch(kernels.na_drpb_tiles_kernel, (n_rel, hq),
                               (dq_tiles[1] // hq, plan.tile_index.shape[1], n_rel),
                               dict(BLOCK=rpb_grad.TILE_REDUCE_BLOCK, num_warps=4))
-    elif plan.ds_window is not None:
+    elif mode == "window-layout dS":
         grid, scalars = rpb_grad.reduce_arguments(params, hq, rpb_grad.slot_tables(params, q.device)[1])
         plan.reduce = _Launch(kernels.na_drpb_window_kernel, grid, scalars,
                               dict(BLOCK_N=rpb_grad.REDUCE_BLOCK, num_warps=4))
-    elif has_rpb and want_drpb:
+    elif mode == "offset pass":
         plan.drpb_launches, plan.drpb_buffer, plan.drpb_atomic = _drpb_launch(q4, k4, v4, rpb, common, params,
-                                                                               scale, deterministic, q, k, v, idx64)
+                                                                               scale, deterministic, q, k, v,
+                                                                               choices.idx64)
         plan.rpb_direct = False  # the offset pass reads the [H, R] table: the chunks keep it whole
     return plan
 
@@ -873,7 +981,7 @@ def _drpb_launch(q4, k4, v4, rpb, common, params, scale, deterministic, q, k, v,
     _, _, _, _, C = _axes3(params)
     tile = config.outer_tile
     partial_bytes = b * hq * programs * n_rel * 4
-    atomic = not deterministic and partial_bytes > DRPB_PARTIAL_BYTES
+    atomic = offset_pass_atomic(deterministic, partial_bytes)
     # per-program rows as [B, H, programs, R]: batch chunks slice it like q/k/v, and the kernel's row index
     # (b * H + h) * programs + program addresses the same memory
     buffer = (hq, n_rel) if atomic else (b, hq, programs, n_rel)
