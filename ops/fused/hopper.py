@@ -668,12 +668,11 @@ def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float, ranks: tuple = 
     return None
 
 
-@functools.lru_cache(maxsize=256)
 def longest_loop(params: NAParams) -> int:
-    """The most key boxes one query tile of the forward and dQ visits (kept per problem: the forward, dQ and dK/dV
-    plans each ask ``unsupported``, and the tile search behind it takes milliseconds on 3-D problems)."""
-    axes = tiles.axes_of(params)
-    return tiles.max_boxes(axes, *tiles.choose_tiles(axes, ROWS, COLS))
+    """The most key boxes one query tile of the forward and dQ visits, with ``query_tiles``' boxes."""
+    q_tile, kv_tile, _ = query_tiles(params)
+    pad = 3 - params.rank
+    return tiles.max_boxes(tiles.axes_of(params), q_tile[pad:], kv_tile[pad:])
 
 
 def window_tables(params: NAParams, q_tile) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -731,9 +730,12 @@ def query_boxes(params: NAParams, device) -> tuple:
     return q_tile, kv_tile, masked, programs, nt, tuple(t.to(device) for t in tables), order
 
 
+@functools.lru_cache(maxsize=256)
 def query_tiles(params: NAParams) -> tuple[tuple, tuple, bool]:
     """``(q_tile, kv_tile, masked)``: the forward's and dQ's 128-row query box and 128-key box per axis
-    (``tiles.choose_tiles``, leading dummy axes first) and whether some key box of some program needs a mask."""
+    (``tiles.choose_tiles``, leading dummy axes first) and whether some key box of some program needs a mask.  Kept
+    per problem: the forward, dQ and dK/dV plans each ask ``unsupported`` (``longest_loop``), the forward and dQ
+    plans build on them, and the tile search takes milliseconds on 3-D problems."""
     pad = 3 - params.rank
     axes = tiles.axes_of(params)
     q_tile, kv_tile = tiles.choose_tiles(axes, ROWS, COLS)
