@@ -184,6 +184,11 @@ def select_backend(problem: Problem, requested: str | None):
         backend = load_backend(name)
         reason = backend.unsupported(problem)
         if reason is not None:
+            if tracing() and not hasattr(backend, "traced_attention"):
+                # the model may run eagerly where it is exported from (e.g. flex on a CPU without autograd),
+                # so the reason alone does not say what to change for export
+                reason += ("; to export, let NA layers record a traced form: backend=None or 'naive' "
+                           "(a whole model's: namodels.set_backend(model, None))")
             raise ValueError(f"backend: {name!r} cannot serve this problem: {reason}")
         return backend
     rejected = []

@@ -240,6 +240,20 @@ def test_automatic_choice_while_tracing_takes_a_backend_with_a_traced_form(monke
     assert backends.select_backend(problem, "naive").name == "naive"  # an explicit choice stands
 
 
+def test_exporting_a_backend_without_a_traced_form_names_the_fix():
+    """A model built with a backend that has no traced form and cannot serve the traced call (here flex: CPU tensors
+    that require grad, though the model runs eagerly under ``torch.no_grad``) stops with the backend's reason and
+    the backends that record a traced form.  (fused is interpreted on this test's CPU, so it would serve.)"""
+    model = timm.create_model("nat_mini", backend="flex", embed_dim=16, depths=(1, 1, 1, 1),
+                              num_heads=(1, 2, 2, 4)).eval()  # (a small NAT: the refusal is at its first NA call)
+    with pytest.raises(ValueError, match=r"cannot serve this problem: .*to export.*backend=None or 'naive'.*"
+                                         r"namodels.set_backend\(model, None\)"):
+        torch.jit.trace(model, (_images(1),), check_trace=False)
+    namodels.set_backend(model, None)  # the named fix
+    x = _images(1)
+    _check(torch.jit.trace(model, (x,), check_trace=False)(x), _eager(model, x), "torch.jit.trace after the fix")
+
+
 def test_eager_block_plan_steps_aside_while_tracing(monkeypatch):
     block = layers.NATBlock(32, 2, kernel_size=3, backend="fused").eval()
     x = torch.randn(1, 7, 8, 32)
