@@ -8,8 +8,9 @@ tensor ops, index tables as constants, no decision on the example's values or ba
 Every exported program is compared with the eager model on inputs of the example's and of another batch size.
 
 The default selection exports nat_mini / dinat_mini through torch.export, jit.trace and the TorchScript ONNX exporter,
-and single NA calls of both traced forms through both ONNX exporters; the other model, backend and exporter cases are
-in slow_tests.txt (a whole model takes 30 s or more through the dynamo exporter, mostly in onnxscript's optimizer).
+and single NA calls of both traced forms through both ONNX exporters; the other model, backend and exporter cases, and
+every other registered model size through torch.export, are in slow_tests.txt (a whole model takes 30 s or more
+through the dynamo exporter).
 
 Tolerance: the exported program's logits against the eager model's, within 1e-4 of the largest logit (both
 float32; the traced gemm form sums in another order than eager gemm, onnxruntime differs from torch's kernels).
@@ -74,6 +75,19 @@ def test_torch_export_matches_eager(name, backend):
     assert _no_block_plans(model)  # the eager block path was not consulted
     for x in (_images(2, seed=1), _images(3, seed=2)):
         _check(program(x), _eager(model, x), f"torch.export, batch {x.shape[0]}")
+
+
+EVERY_MODEL = timm.list_models(module=["nat", "dinat_s", "tiny"])  # every registered NAT / DiNAT / DiNAT_s name
+
+
+@pytest.mark.parametrize("name", [n for n in EVERY_MODEL if n not in ("nat_mini", "dinat_mini", "dinat_s_tiny")])
+def test_every_model_exports(name):
+    """The sizes not exported above (their other kernel sizes, dilations, depths and widths) through
+    ``torch.export``, the route every other one shares the traced forms with."""
+    model = _model(name, DEFAULT)
+    program = torch.export.export(model, (_images(1),)).module()
+    x = _images(1, seed=1)
+    _check(program(x), _eager(model, x), f"torch.export of {name}")
 
 
 @pytest.mark.parametrize("backend", [DEFAULT, "naive"], ids=["default", "naive"])
