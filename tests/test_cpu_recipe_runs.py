@@ -192,3 +192,15 @@ def test_loader_workers_capped_at_the_cpu_count(caplog):
     assert lines == [f"data.num_workers={cpus + 6}: {cpus} loader workers instead, one per CPU of this machine"]
     dm = ClassificationDataModule(dict(cfg, num_workers=1))
     assert dm.train_dataloader().num_workers == 1
+
+
+def test_a_run_limited_in_training_batches_is_told_to_limit_validation_too():
+    from namodels.tasks.runner import short_run_hint
+
+    hint = short_run_hint({"limit_train_batches": 2})
+    assert "trainer.limit_val_batches=2" in hint
+    assert short_run_hint({"limit_train_batches": 2, "limit_val_batches": 1.0}) == hint
+    assert short_run_hint({"limit_train_batches": 2, "limit_val_batches": 1}) is None
+    assert short_run_hint({"limit_train_batches": 2, "limit_val_batches": 0}) is None
+    assert short_run_hint({"limit_train_batches": 0.5}) is None
+    assert short_run_hint({}) is None

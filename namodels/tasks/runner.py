@@ -128,6 +128,17 @@ def _number(value):
     return float(value.item()) if isinstance(value, torch.Tensor) else value
 
 
+def short_run_hint(trainer_cfg) -> str | None:
+    """The line that tells a short run how to shorten its validation too: a whole number of training batches with
+    validation left whole (a smoke run's ``trainer.limit_train_batches=2`` still validates every image)."""
+    train = trainer_cfg.get("limit_train_batches")
+    val = trainer_cfg.get("limit_val_batches", 1.0)
+    if isinstance(train, int) and not isinstance(train, bool) and val in (None, 1.0) and not isinstance(val, int):
+        return (f"trainer.limit_train_batches={train} shortens training only: every validation pass still runs "
+                f"the whole validation split; add trainer.limit_val_batches={train} for a short run")
+    return None
+
+
 def fit(cfg: DictConfig) -> dict:
     """Runs a ``stage: fit`` task; returns the summary that is printed and written to summary.json."""
     import namodels  # noqa: F401  registers the project's timm models
@@ -157,6 +168,9 @@ def fit(cfg: DictConfig) -> dict:
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), callbacks)
     if trainer.is_global_zero:
         log.info("output: %s", cfg.paths.output_dir)
+        hint = short_run_hint(cfg.trainer)
+        if hint:
+            log.info(hint)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
 
     summary = dict(
