@@ -71,7 +71,14 @@ def run_on_token_rows(apply, q, k, v, rpb, params: NAParams, scale: float):
 def tracing() -> bool:
     """Whether NA calls are being recorded into a graph that later runs without this Python code: ``torch.export``
     (also under ``torch.onnx.export(dynamo=True)``) or ``torch.jit.trace`` (also under the TorchScript-based
-    ``torch.onnx.export(dynamo=False)``).  ``torch.compile`` is not tracing here: it keeps the eager backends."""
+    ``torch.onnx.export(dynamo=False)``).  ``torch.compile`` is not tracing here: it keeps the eager backends.
+
+    Under dynamo the export flag is read directly: some torch releases (2.11 among them) fold
+    ``torch.compiler.is_exporting()`` to True in every dynamo trace, which would send plain ``torch.compile`` runs
+    down the traced routes (no fused kernels, a graph break per call).  The flag is what ``torch.export`` sets, and
+    dynamo guards on the module global it reads."""
+    if torch.compiler.is_dynamo_compiling():
+        return bool(getattr(torch.compiler, "_is_exporting_flag", False))
     return torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 

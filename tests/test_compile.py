@@ -116,3 +116,28 @@ def test_compiled_backward_makes_no_gradient_for_an_unused_lse(packed_drops_lse,
     assert zero_fills == [], zero_fills
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_compile_is_not_tracing_where_dynamo_folds_is_exporting(monkeypatch):
+    """Some torch releases fold ``torch.compiler.is_exporting()`` to True in every dynamo trace, plain
+    ``torch.compile`` included.  ``ops.backends.tracing()`` must still answer False there (else automatic selection
+    skips the fused kernels and compiled models take the traced routes), and True under ``torch.export``."""
+    import torch
+
+    from ops.backends import tracing
+
+    def folded() -> bool:  # the folding releases' answer: True whenever dynamo traces
+        return torch.compiler.is_dynamo_compiling() or torch.compiler._is_exporting_flag
+
+    monkeypatch.setattr(torch.compiler, "is_exporting", folded)
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            return x + (1.0 if tracing() else 0.0)
+
+    x = torch.zeros(1)
+    torch._dynamo.reset()
+    assert torch.compile(Probe(), backend="eager", fullgraph=True)(x).item() == 0.0
+    assert torch.export.export(Probe(), (x,), strict=False).module()(x).item() == 1.0
+    assert torch.export.export(Probe(), (x,), strict=True).module()(x).item() == 1.0
+    torch._dynamo.reset()
