@@ -24,7 +24,8 @@ def compile_mode(value) -> str | None:
 # Inductor options added to every compile mode, for every model alike.  Combo kernels launch independent pointwise
 # kernels of a graph (weight casts, bias-gradient casts, elementwise epilogues) as one: a CUDA-graph step pays a
 # fixed GPU-side gap per kernel node, and a deep model's compiled training step is made of thousands of small
-# kernels (docs/performance.md).  Pointwise only: combined reductions ran slower than separate ones.
+# kernels.  Pointwise only: combined reductions ran slower than separate ones (docs/speed.md, "Inductor options:
+# pointwise combo kernels", holds the measurements).
 COMPILE_OPTIONS = {"combo_kernels": True, "combo_kernels_pointwise_only": True}
 
 
@@ -53,9 +54,8 @@ def calling_thread_backward():
 
     By default torch runs the CUDA part of a backward on a worker thread of its own while the calling thread waits.
     Where the host bounds an eager step (a deep model at small feature maps, such as NAT-Tiny's 30 blocks), the same
-    backward cost clearly more host time there: on an H100 host, NAT-Tiny's eager bf16 training step at batch 128
-    took 78.0 ms with the worker thread against 60.9 ms without, Swin-T's (bound by its GPU time) 67.6 against 65.3
-    (docs/performance.md).  One backward per step gains nothing from the worker thread.
+    backward costs clearly more host time on the worker thread, and one backward per step gains nothing from it
+    (measured step times: docs/speed.md, "Backward on the calling thread").
     """
     return torch.autograd.set_multithreading_enabled(False)
 

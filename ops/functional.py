@@ -37,8 +37,8 @@ def _per_axis(value, rank: int, name: str, kind: type) -> tuple:
     return tuple(kind(v) for v in values)
 
 
-# Validated parameters per argument tuple: models repeat the same few calls, and validation costs
-# tens of microseconds of Python per call (the fused kernels of a 14x14 map take about as long).
+# Validated parameters per argument tuple: models repeat the same few calls, and validating them costs about as
+# much host time as the fused kernels of a small map run (docs/fused.md, "Launch planning and the host path").
 _PARAMS_CACHE: dict[tuple, NAParams] = {}
 
 

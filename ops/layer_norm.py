@@ -39,7 +39,8 @@ __all__ = ["MAX_COLUMNS", "LayerNorm", "LayerNormFunction", "layer_norm", "layer
 MAX_COLUMNS = 8192  # widest row (C) the kernels take; a row is held whole in registers
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Elements per program tile (tuned on an H100 for C = 64..1024).  Each forward program normalises one
+# Elements per program tile, chosen by timing rows of C = 64..1024 (NAT's widths; the kernels' times are in
+# docs/performance.md, "LayerNorm").  Each forward program normalises one
 # tile; each backward program walks several tiles (BACKWARD_PROGRAMS_PER_SM programs per multiprocessor
 # in all), so that the weight / bias partial sums stay few.
 FORWARD_TILE = 4096
@@ -161,8 +162,8 @@ def _block_shape(n_cols: int, tile_elements: int, block_rows: int | None = None)
 
 
 def _num_warps(tile_elements: int, block_c: int) -> int:
-    # one warp per 1024 tile elements, and wide rows spread over more warps (both measured best on an
-    # H100: more warps per tile were slower for short rows)
+    # one warp per 1024 tile elements, and wide rows spread over more warps (chosen by timing, as the tile
+    # sizes above: more warps per tile were slower for short rows)
     return min(8, max(2, tile_elements // 1024, block_c // 512))
 
 

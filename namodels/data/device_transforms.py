@@ -2,8 +2,8 @@
 
 The loader workers decode and augment to uint8 images (timm's ``create_transform(normalize=False)``); a float32
 batch would be four times the bytes for the workers to collate, for the pin-memory thread to copy and for the
-host-to-device transfer: at batch 128 and 224 px that is 77 MB per batch, which caps a one-GPU run below what an
-H100 trains NAT-Tiny at (docs/performance.md).  timm's own prefetching loader splits the pipeline the same way.
+host-to-device transfer: at batch 128 and 224 px that is 77 MB per batch, which caps a one-GPU run below the rate
+the training step itself reaches (docs/performance.md, "Input pipeline", has both rates).  timm's own prefetching loader splits the pipeline the same way.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ sample's RandomResizedCrop box drawn), then, as the batch's collate function, on
    derives from the run's seed and the epoch.
 
 The batch reaches the training process as a CUDA tensor (CUDA IPC: no copy).  Launching a batch's kernels is
-Python work, tens of milliseconds per batch; in worker processes it runs in parallel and off the training loop's
+Python work, long per batch (docs/performance.md, "Input pipeline", has its time); in worker processes it runs in parallel and off the training loop's
 interpreter, so the training step is not slowed by it and the rate grows with the worker count.  The result is the
 uint8 batch the CPU pipeline's workers would have made; normalisation and random erasing follow on the training
 stream as for every pipeline (:mod:`namodels.data.device_transforms`), mixup / cutmix in the task.

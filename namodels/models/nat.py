@@ -47,7 +47,7 @@ class ConvTokenizer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # channels-last convolutions: cuDNN runs its NHWC kernels without converting the image and activations
-        # there and back (about 1 ms of a NAT-Tiny training step at batch 128), and the permute below is a view
+        # there and back, and the permute below is a view
         x = x.contiguous(memory_format=torch.channels_last)
         return self.norm(self.proj(x).permute(0, 2, 3, 1))
 
@@ -81,8 +81,9 @@ class NAT(NABackbone):
         dilation_mode: 'clamp' or 'pad', for stages smaller than ``kernel_size * dilation``.
         backend: NA backend for every attention layer (``None``: ``ops.use_backend`` or automatic).
         fast_norm: LayerNorms on the project's Triton kernel (``ops.layer_norm.LayerNorm``; same parameters and
-            state_dict) on CUDA: 5x less GPU time than torch's for NAT's widths, but more host time per call, so it
-            pays where a step is GPU-bound (compiled models use inductor's own fused norm either way).
+            state_dict) on CUDA: less GPU time than torch's for NAT's widths, but more host time per call, so it
+            pays where a step is GPU-bound (compiled models use inductor's own fused norm either way; times in
+            docs/performance.md, "LayerNorm").
     """
 
     stage_attr = "levels"

@@ -735,7 +735,7 @@ def query_tiles(params: NAParams) -> tuple[tuple, tuple, bool]:
     """``(q_tile, kv_tile, masked)``: the forward's and dQ's 128-row query box and 128-key box per axis
     (``tiles.choose_tiles``, leading dummy axes first) and whether some key box of some program needs a mask.  Kept
     per problem: the forward, dQ and dK/dV plans each ask ``unsupported`` (``longest_loop``), the forward and dQ
-    plans build on them, and the tile search takes milliseconds on 3-D problems."""
+    plans build on them, and the tile search is slow on 3-D problems (it tries many tile shapes)."""
     pad = 3 - params.rank
     axes = tiles.axes_of(params)
     q_tile, kv_tile = tiles.choose_tiles(axes, ROWS, COLS)

@@ -318,8 +318,8 @@ _CUDA_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _current_device() -> int:
-    """The current CUDA device; a compiled launch exists only once CUDA is up, so torch's lazy-init check (a few
-    microseconds per launch) is skipped where this torch has the direct query."""
+    """The current CUDA device; a compiled launch exists only once CUDA is up, so torch's lazy-init check (host
+    time on every launch) is skipped where this torch has the direct query."""
     return _CUDA_GET_DEVICE() if _CUDA_GET_DEVICE is not None else torch.cuda.current_device()
 
 
