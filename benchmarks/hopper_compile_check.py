@@ -68,7 +68,8 @@ def compile_case(kernel, q_tile, kv_tile, dim, masked=True):
     if kernel == "fwd":  # one program per SM where no tile needs a mask (``hopper.HopperForward.persistent``)
         constexprs["PERSISTENT_"] = not masked
     options = {"num_warps": 4}
-    pointers = dict(POINTERS, QUERY_RANGES="*i32" if masked else "*i8")  # dK/dV's mask switch (``hopper_dkdv.build_launch``)
+    # dK/dV's mask switch (``hopper_dkdv.build_launches``)
+    pointers = dict(POINTERS, QUERY_RANGES="*i32" if masked else "*i8")
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:

@@ -97,8 +97,8 @@ if triton is not None:
                                     HAS_RESIDUAL: tl.constexpr, HAS_COPY: tl.constexpr, HAS_SCALE: tl.constexpr,
                                     BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
         """Program ``p`` handles row blocks ``p * blocks_per_program ...`` (the last ones may be empty)
-        and writes row ``p`` of the partial sums ``partial [slots, programs, C]``: the weight gradient
-        in slot 0 when computed, then the bias gradient.  ``HAS_RESIDUAL``: dx also gets ``residual`` (a pre-norm
+        and writes row ``p`` of the partial sums ``partial [n_sums, programs, C]``: the weight gradient
+        at index 0 when computed, then the bias gradient.  ``HAS_RESIDUAL``: dx also gets ``residual`` (a pre-norm
         block's skip-connection gradient) added; it may be dx itself (each element is read before it is written).
         ``HAS_COPY``: dx is also stored to ``copy`` in its dtype (``HAS_SCALE``: times
         ``scale[row // rows_per_scale]``), the gradient that reaches a residual branch under per-sample stochastic
@@ -186,8 +186,8 @@ def _launch_device(device: torch.device):
     return contextlib.nullcontext()
 
 
-# Launch plans per problem (shapes, dtypes, flags, device), decided once: eager models call the same few LayerNorms
-# every step, and a planned launch of the compiled kernel skips Triton's per-call argument binding, most of a
+# Launches per problem (shapes, dtypes, flags, device), decided once: eager models call the same few LayerNorms
+# every step, and a kept launch of the compiled kernel skips Triton's per-call argument binding, most of a
 # launch's host time.
 _FORWARD_LAUNCHES: dict[tuple, object] = {}
 _BACKWARD_LAUNCHES: dict[tuple, object] = {}
@@ -238,22 +238,23 @@ def _dtype(t):
     return None if t is None else t.dtype
 
 
-def _plan_backward(n_rows: int, n_cols: int, x, dy, weight, compute_dx: bool, compute_dweight: bool,
-                   compute_dbias: bool, has_residual: bool, copy_scale, has_copy: bool, block_rows: int | None,
-                   max_programs: int | None):
-    """``(launch or None, programs, slots)`` of a backward problem: every launch parameter, decided once."""
+def _backward_launch(n_rows: int, n_cols: int, x, dy, weight, compute_dx: bool, compute_dweight: bool,
+                     compute_dbias: bool, has_residual: bool, copy_scale, has_copy: bool, block_rows: int | None,
+                     max_programs: int | None):
+    """``(launch or None, programs, n_sums)`` of a backward problem, every launch parameter decided once; ``n_sums``:
+    how many of dweight / dbias the programs write partial rows of."""
     block_rows, block_c, num_warps = _block_shape(n_cols, BACKWARD_TILE, block_rows)
     n_blocks = triton.cdiv(n_rows, block_rows)
     programs, blocks_per_program = _backward_programs(n_blocks, x.device, max_programs) if n_blocks else (0, 1)
-    slots = int(compute_dweight) + int(compute_dbias)
+    n_sums = int(compute_dweight) + int(compute_dbias)
     launch = None
-    if programs and (compute_dx or slots):
+    if programs and (compute_dx or n_sums):
         launch = PlannedLaunch(_layer_norm_backward_kernel, (programs, 1),
                                (n_rows, blocks_per_program, _rows_per_scale(n_rows, copy_scale)), dict(
             N_COLS=n_cols, HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DWEIGHT=compute_dweight,
             COMPUTE_DBIAS=compute_dbias, HAS_RESIDUAL=has_residual, HAS_COPY=has_copy,
             HAS_SCALE=copy_scale is not None, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=num_warps))
-    return launch, programs, slots
+    return launch, programs, n_sums
 
 
 def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, stats: torch.Tensor, *,
@@ -276,25 +277,25 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
     key = (n_rows, n_cols, x.dtype, dy.dtype, _dtype(weight), x.device, compute_dx, compute_dweight, compute_dbias,
            _dtype(residual) if has_residual else None, copy_dtype if has_copy else None,
            None if copy_scale is None else (copy_scale.shape[0], copy_scale.dtype), block_rows, max_programs)
-    plan = _BACKWARD_LAUNCHES.get(key)
-    if plan is None:
-        plan = remember_plan(_BACKWARD_LAUNCHES, key, _plan_backward(
+    entry = _BACKWARD_LAUNCHES.get(key)
+    if entry is None:
+        entry = remember_plan(_BACKWARD_LAUNCHES, key, _backward_launch(
             n_rows, n_cols, x, dy, weight, compute_dx, compute_dweight, compute_dbias, has_residual,
             copy_scale if has_copy else None, has_copy, block_rows, max_programs))
-    launch, programs, slots = plan
+    launch, programs, n_sums = entry
     dx = (out if out is not None else torch.empty_like(x)) if compute_dx else None
     copy = torch.empty((n_rows, n_cols), dtype=copy_dtype, device=x.device) if has_copy else None
-    # every program writes its row of each slot, so no zero-fill is needed (and none over zero rows)
-    partial = (torch.empty((slots, programs, n_cols), dtype=torch.float32, device=x.device) if programs
-               else torch.zeros((slots, 1, n_cols), dtype=torch.float32, device=x.device))
+    # every program writes its row of each partial sum, so no zero-fill is needed (and none over zero rows)
+    partial = (torch.empty((n_sums, programs, n_cols), dtype=torch.float32, device=x.device) if programs
+               else torch.zeros((n_sums, 1, n_cols), dtype=torch.float32, device=x.device))
     if launch is not None:
         with _launch_device(x.device):
             launch((x, dy, x if dx is None else dx, x if weight is None else weight, stats, partial,
                     residual if has_residual else x, x if copy is None else copy,
                     stats if copy_scale is None or not has_copy else copy_scale))
-    sums = partial.sum(1) if slots else None
+    sums = partial.sum(1) if n_sums else None
     dweight = sums[0] if compute_dweight else None
-    dbias = sums[slots - 1] if compute_dbias else None
+    dbias = sums[n_sums - 1] if compute_dbias else None
     return (dx, dweight, dbias) if copy_dtype is None else (dx, dweight, dbias, copy)
 
 

@@ -39,7 +39,7 @@ def _params(spatial, kernel, stride=None, causal=None):
 def _plan(spatial, kernel, stride=None, heads=2, dim=128, batch=1, causal=None):
     params = _params(spatial, kernel, stride, causal)
     q4 = torch.zeros(batch, params.num_tokens, heads, dim, dtype=torch.bfloat16)
-    return hopper.build_launch(q4, q4, q4, params, dim**-0.5, True)
+    return hopper.build_launches(q4, q4, q4, params, dim**-0.5, True)
 
 
 def test_mask_only_where_some_tile_is_partial():
@@ -127,7 +127,7 @@ def test_dkdv_plan_and_reasons():
     params = _params((256, 256), (80, 80), (16, 16))
     q4 = torch.zeros(1, params.num_tokens, 4, 128, dtype=torch.bfloat16)
     k4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
-    bw = hopper_dkdv.build_launch(q4, k4, k4, q4, params, 0.1, (k4, k4))
+    bw = hopper_dkdv.build_launches(q4, k4, k4, q4, params, 0.1, (k4, k4))
     assert bw.grid == (256 * 256 // 128, 2)  # a 128-key tile per program and kv head
     assert bw.query_ranges.dtype == torch.int8  # every box inside every key's window: no mask code
     assert hopper_dkdv.unsupported(q4, k4, k4, q4, torch.zeros(4, 159, 159), params, 0.1) is not None
@@ -161,7 +161,7 @@ def test_forward_fixup_recomputes_the_flagged_programs():
     """The Hopper forward's fixup launch computes a flagged program's rows again (one window offset at a time) and
     leaves every other program's as the main kernel wrote them."""
     q4, k4, v4, _, out_ref, _, lse_ref, _, _ = _oracle_case(FIXUP_PARAMS, 2, 1, 16, seed=5)
-    fw = hopper.build_launch(q4, k4, v4, FIXUP_PARAMS, 16**-0.5, True)
+    fw = hopper.build_launches(q4, k4, v4, FIXUP_PARAMS, 16**-0.5, True)
     assert fw.programs == 4
     flags = torch.zeros(fw.programs * hopper.ROWS, dtype=torch.int8)
     flags[hopper.ROWS * (fw.programs - 1) + 3] = 1
@@ -176,7 +176,7 @@ def test_dq_fixup_recomputes_the_flagged_programs():
     """The Hopper dQ's fixup launch computes a flagged program's query tile again from the inputs (the oracle's dQ)
     and leaves every other tile as the main kernel wrote it."""
     q4, k4, v4, do4, o4, dq_ref, lse, _, _ = _oracle_case(FIXUP_PARAMS, 2, 1, 16, seed=6)
-    bw = hopper_dq.build_launch(q4, k4, v4, do4, o4, FIXUP_PARAMS, 16**-0.5, dq_ref)
+    bw = hopper_dq.build_launches(q4, k4, v4, do4, o4, FIXUP_PARAMS, 16**-0.5, dq_ref)
     flags = torch.zeros(bw.programs * hopper.ROWS, dtype=torch.int8)
     flags[hopper.ROWS * (bw.programs - 1) + 3] = 1
     dq = torch.full_like(dq_ref, 7.0)
@@ -192,7 +192,7 @@ def test_dkdv_fixup_recomputes_the_flagged_programs():
     params = _params((4, 6), (3, 3))  # the recomputation walks every window offset: a small window keeps it quick
     q4, k4, v4, do4, o4, _, lse, dk_ref, dv_ref = _oracle_case(params, 2, 1, 16, seed=7)
     dk, dv = torch.full_like(dk_ref, 7.0), torch.full_like(dv_ref, 7.0)
-    bw = hopper_dkdv.build_launch(q4, k4, v4, do4, params, 16**-0.5, (dk, dv))
+    bw = hopper_dkdv.build_launches(q4, k4, v4, do4, params, 16**-0.5, (dk, dv))
     assert bw.programs == 2  # a 128-key tile per batch element and kv head
     flags = torch.zeros(bw.programs * hopper_dkdv.KEYS, dtype=torch.int8)
     flags[hopper_dkdv.KEYS + 5] = 1
@@ -416,7 +416,7 @@ def test_dkdv_mask_follows_the_windows(name):
     params = _params(p.spatial, p.kernel_size, p.stride, p.causal)
     q4 = torch.zeros(2, params.num_tokens, p.heads, 128, dtype=torch.bfloat16)
     k4 = torch.zeros(2, params.num_tokens, p.heads_kv, 128, dtype=torch.bfloat16)
-    bw = hopper_dkdv.build_launch(q4, k4, k4, q4, params, 0.1, (k4, k4))
+    bw = hopper_dkdv.build_launches(q4, k4, k4, q4, params, 0.1, (k4, k4))
     masked = bw.query_ranges.dtype == torch.int32  # (the kernel's switch: an int8 stand-in runs no mask code)
     assert masked == DKDV_CASES[name][1]
     kv_tile, q_tile = hopper_dkdv._tiles(params)
@@ -457,9 +457,9 @@ def test_dq_plan_and_reasons():
     params = _params((256, 256), (80, 80), (16, 16))
     q4 = torch.zeros(1, params.num_tokens, 4, 128, dtype=torch.bfloat16)
     k4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
-    bw = hopper_dq.build_launch(q4, k4, k4, q4, q4, params, 0.1, q4)
+    bw = hopper_dq.build_launches(q4, k4, k4, q4, q4, params, 0.1, q4)
     assert bw.grid == (256 * 256 // hopper.ROWS, 4) and bw.scalars[-1] == 0  # a query tile per program, no mask
-    assert hopper_dq.build_launch(q4, k4, k4, q4, q4, _params((256, 256), (80, 80)), 0.1, q4).scalars[-1] == 1
+    assert hopper_dq.build_launches(q4, k4, k4, q4, q4, _params((256, 256), (80, 80)), 0.1, q4).scalars[-1] == 1
     assert hopper_dq.unsupported(q4, k4, k4, q4, q4.float(), None, params, 0.1) is not None
     with hopper.disabled():
         assert "disabled" in hopper_dq.unsupported(q4, k4, k4, q4, q4, None, params, 0.1)

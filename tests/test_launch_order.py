@@ -73,9 +73,9 @@ def test_block_order_leaves_1d_in_row_major_order():
 def test_plans_carry_the_order_and_ordered_off_is_row_major(monkeypatch):
     params = _params((30, 48, 80), (18, 24, 24), (1, 1, 1))
     q4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
-    fw = hopper.build_launch(q4, q4, q4, params, 0.1, False)
+    fw = hopper.build_launches(q4, q4, q4, params, 0.1, False)
     tiles = fw.grid[0]
     assert fw.order.dtype == torch.int32 and sorted(fw.order.tolist()) == list(range(tiles))
     assert fw.order.tolist() != list(range(tiles))
     monkeypatch.setattr(hopper, "ORDERED", False)
-    assert hopper.build_launch(q4, q4, q4, params, 0.1, False).order.tolist() == list(range(tiles))
+    assert hopper.build_launches(q4, q4, q4, params, 0.1, False).order.tolist() == list(range(tiles))

@@ -147,8 +147,8 @@ if gluon is not None:
     def _tile_spans(SPANS, N1, N2, NMAX, box_desc, tile):
         """A tile's spans (``_tile_coords``, ``_span``) and the loop over the boxes of ``box_desc`` (``[1, B0, B1,
         B2, D]``) that cover them: ``(first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2,
-        in_hi2, n12, n2, n_tiles)``, where n2 and n12 count the boxes per step of axes 1 and 0 (an empty span loops
-        over none)."""
+        in_hi2, n12, n2, n_boxes)``, where n2 and n12 count the boxes per step of axes 1 and 0 and n_boxes the
+        loop's boxes in all (an empty span loops over none)."""
         B0: gl.constexpr = box_desc.block_type.shape[1]
         B1: gl.constexpr = box_desc.block_type.shape[2]
         B2: gl.constexpr = box_desc.block_type.shape[3]
@@ -158,8 +158,8 @@ if gluon is not None:
         lo2, hi2, in_lo2, in_hi2, first2 = _span(SPANS, 2, tile2, NMAX)
         n2 = gl.cdiv(gl.maximum(hi2 - lo2, 0), B2)
         n12 = gl.cdiv(gl.maximum(hi1 - lo1, 0), B1) * n2
-        n_tiles = gl.cdiv(gl.maximum(hi0 - lo0, 0), B0) * n12
-        return first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles
+        n_boxes = gl.cdiv(gl.maximum(hi0 - lo0, 0), B0) * n12
+        return first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_boxes
 
     @gluon.jit
     def _rings(a_desc, b_desc, STAGES: gl.constexpr, consumers: gl.constexpr):
@@ -195,20 +195,20 @@ if gluon is not None:
 
     @gluon.jit
     def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, col, lo0, lo1, lo2, n12, n2,
-                 n_tiles):
+                 n_boxes):
         """Producer: the program's key boxes (``_load_boxes`` from the rings' start)."""
         _load_boxes(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, col, lo0, lo1, lo2, n12,
-                    n2, n_tiles, 0)
+                    n2, n_boxes, 0)
 
     @gluon.jit
     def _load_boxes(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, col, lo0, lo1, lo2, n12, n2,
-                    n_tiles, done):
+                    n_boxes, done):
         """Producer: one tile's key boxes in loop order, each K and V box into the next free stage (K and V stages are
         freed separately: a consumer is done with a K box long before it is done with its V box); ``done``: boxes
         the rings have passed before (earlier work items of a persistent program)."""
         stages: gl.constexpr = k_smem.type.shape[0]
         n12_inv, n2_inv = _box_reciprocals(n12, n2)
-        for t in range(n_tiles):
+        for t in range(n_boxes):
             stage = (done + t) % stages
             # a fresh barrier reads as having completed the phase before its first, so the first lap passes
             lap = (((done + t) // stages) & 1) ^ 1
@@ -344,9 +344,9 @@ if gluon is not None:
 
     @gluon.jit
     def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_empty, turns, done, turns_done, lo0, lo1, lo2,
-                in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, start0, stop0, start1, stop1, start2,
+                in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_boxes, start0, stop0, start1, stop1, start2,
                 stop2, qk_scale, mask, half):
-        """One consumer's 64 query rows ``q`` against the ``n_tiles`` key boxes of their tile: ``(acc, m, l)``, the
+        """One consumer's 64 query rows ``q`` against the ``n_boxes`` key boxes of their tile: ``(acc, m, l)``, the
         unnormalised output and the softmax's running max and sum.  ``done`` / ``turns_done``: the boxes the rings
         and the turns the consumers passed for earlier work items.  Q goes back to the producer (``q_empty``) once the
         last score matmul is done.  FlashAttention-3's order: the next box's scores and this box's values are issued
@@ -383,7 +383,7 @@ if gluon is not None:
                           start2, stop2, U0, U1, U2)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p = gl.convert_layout(p.to(dtype), p_layout)
-        for t in range(n_tiles - 1):
+        for t in range(n_boxes - 1):
             box = done + t  # the ring position of the box whose values go in now; its successor's scores
             nxt = box + 1
             k0, k1, k2 = _next_key_box(k0, k1, k2, lo1, lo2, end1, end2, U0, U1, U2)
@@ -405,9 +405,9 @@ if gluon is not None:
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             p = gl.convert_layout(p_next.to(dtype), p_layout)
         mbarrier.arrive(q_empty, count=1)
-        last = done + n_tiles - 1
+        last = done + n_boxes - 1
         mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
-        _await_turn(turns, half, turns_done + n_tiles)
+        _await_turn(turns, half, turns_done + n_boxes)
         acc = warpgroup_mma(p, v_smem.index(last % stages).reshape([cols, block_d]), acc, is_async=True)
         _pass_turn(turns, half)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -439,7 +439,7 @@ if gluon is not None:
     @gluon.jit
     def _consume_tile(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns, o_desc,
                       LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program, first0, first1, first2, half0, half1, half2, lo0,
-                      lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, slb, slt, qk_scale,
+                      lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_boxes, slb, slt, qk_scale,
                       L0, L1, L2, LMAX, store_lse, mask, half):
         """Consumer of a program that owns one query tile: its 64 rows (``_attend``), then their output, which
         leaves through their half of the query box (free once the last score matmul is done)."""
@@ -452,7 +452,7 @@ if gluon is not None:
         mbarrier.wait(q_ready, 0)
         acc, m_i, l_i = _attend(q_smem.index(half).reshape([h_rows, block_d]), k_smem, v_smem, k_ready, k_empty,
                                 v_ready, v_empty, q_empty, turns, 0, 0, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1,
-                                in_lo2, in_hi2, n12, n2, n_tiles, start0, stop0, start1, stop1, start2, stop2, qk_scale,
+                                in_lo2, in_hi2, n12, n2, n_boxes, start0, stop0, start1, stop1, start2, stop2, qk_scale,
                                 mask, half)
         _store_rows(acc, m_i, l_i, q_smem.index(half), o_desc, LSE, FLAGS, program, r, q_ok, tok, b, h, first0, first1,
                     first2, half0, half1, half2, slb, slt, store_lse, half)
@@ -475,15 +475,15 @@ if gluon is not None:
         for w in range(gl.program_id(0), work, gl.num_programs(0)):
             it, b, h, spans = _work_item(w, SPANS, ORDER, TILES, NT1, NT2, NTMAX, HQ, k_desc)
             (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-             n_tiles) = spans
+             n_boxes) = spans
             r, q_ok, tok, start0, stop0, start1, stop1, start2, stop2 = _consumer_rows(
                 STARTS, ROW_OFFSETS, first0, first1, first2, half, L0, L1, L2, LMAX, h_rows, s_rows)
             mbarrier.wait(q_ready, item & 1)
             acc, m_i, l_i = _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_empty, turns, done,
                                     turns_done, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-                                    n_tiles, start0, stop0, start1, stop1, start2, stop2, qk_scale, mask, half)
-            done += n_tiles
-            turns_done += n_tiles + 1
+                                    n_boxes, start0, stop0, start1, stop1, start2, stop2, qk_scale, mask, half)
+            done += n_boxes
+            turns_done += n_boxes + 1
             item += 1
             tma.store_wait(0)  # the previous item's output has left o_smem
             _store_rows(acc, m_i, l_i, o_smem.index(half), o_desc, LSE, FLAGS, it, r, q_ok, tok, b, h, first0, first1,
@@ -501,13 +501,13 @@ if gluon is not None:
         for w in range(gl.program_id(0), work, gl.num_programs(0)):
             _, b, h, spans = _work_item(w, SPANS, ORDER, TILES, NT1, NT2, NTMAX, HQ, k_desc)
             first0, first1, first2, lo0, lo1, lo2 = spans[0], spans[1], spans[2], spans[3], spans[4], spans[5]
-            n12, n2, n_tiles = spans[12], spans[13], spans[14]
+            n12, n2, n_boxes = spans[12], spans[13], spans[14]
             mbarrier.wait(q_empty, (item & 1) ^ 1)
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
             _load_halves(q_desc, q_smem, q_ready, b, first0, first1, first2, half0, half1, half2, h * block_d)
             _load_boxes(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, (h // GROUP) * block_d,
-                        lo0, lo1, lo2, n12, n2, n_tiles, done)
-            done += n_tiles
+                        lo0, lo1, lo2, n12, n2, n_boxes, done)
+            done += n_boxes
             item += 1
 
     @gluon.jit
@@ -551,18 +551,18 @@ if gluon is not None:
             tile, program, b, h = _program(HQ, ORDER)
             BLOCK_D: gl.constexpr = k_desc.block_type.shape[4]
             (first0, first1, first2, lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2,
-             n_tiles) = _tile_spans(SPANS, NT1, NT2, NTMAX, k_desc, tile)
+             n_boxes) = _tile_spans(SPANS, NT1, NT2, NTMAX, k_desc, tile)
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
             _load_halves(q_desc, q_smem, q_ready, b, first0, first1, first2, half0, half1, half2, h * BLOCK_D)
             consumer = (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, turns, o_desc,
                         LSE, FLAGS, STARTS, ROW_OFFSETS, b, h, program, first0, first1, first2, half0, half1, half2,
-                        lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_tiles, slb, slt,
+                        lo0, lo1, lo2, in_lo0, in_hi0, in_lo1, in_hi1, in_lo2, in_hi2, n12, n2, n_boxes, slb, slt,
                         qk_scale, L0, L1, L2, LMAX, store_lse, mask)
             gl.warp_specialize([
                 (_consume_tile, consumer + (gl.to_tensor(0),)),
                 (_consume_tile, consumer + (gl.to_tensor(1),)),
                 (_load_kv, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b,
-                            (h // GROUP) * BLOCK_D, lo0, lo1, lo2, n12, n2, n_tiles)),
+                            (h // GROUP) * BLOCK_D, lo0, lo1, lo2, n12, n2, n_boxes)),
             ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
 
@@ -593,7 +593,8 @@ def na_fwd_nonfinite_kernel(
 
 @dataclass(frozen=True)
 class HopperForward:
-    """A forward problem's launch on the Hopper kernel, its non-finite fixup included (``build_launch``)."""
+    """A forward problem's launches on the Hopper kernel: the main kernel's and its non-finite fixup's
+    (``build_launches``)."""
 
     q_tile: tuple  # (T0, T1, T2)
     kv_tile: tuple  # (U0, U1, U2)
@@ -619,7 +620,7 @@ class HopperForward:
     @property
     def persistent(self) -> bool:
         """Whether the main kernel runs one program per SM over all work items (``PERSISTENT_MASKED``,
-        ``PERSISTENT_MASKED_RANKS``; decided by ``build_launch`` for the kernel's ``PERSISTENT_``)."""
+        ``PERSISTENT_MASKED_RANKS``; decided by ``build_launches`` for the kernel's ``PERSISTENT_``)."""
         return self.meta["PERSISTENT_"]
 
     def main_grid(self, device: torch.device) -> tuple:
@@ -761,7 +762,7 @@ def fixup_meta(params: NAParams, q_tile, d: int) -> dict:
                 num_warps=4, num_stages=1)
 
 
-def build_launch(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperForward:
+def build_launches(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperForward:
     """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted."""
     from . import launch
 

@@ -309,7 +309,8 @@ def na_bwd_dkdv_nonfinite_kernel(
 
 @dataclass(frozen=True)
 class HopperDkDv:
-    """A backward problem's dK/dV launch on the Hopper kernel, its non-finite fixup included (``build_launch``)."""
+    """A backward problem's dK/dV launches on the Hopper kernel: the main kernel's and its non-finite fixup's
+    (``build_launches``)."""
 
     grid: tuple
     query_ranges: torch.Tensor  # [3, LMAX, 2] int32: the queries whose windows hold each key position, per axis
@@ -382,9 +383,9 @@ def inverse_tables(params: NAParams, kv_tile) -> tuple[torch.Tensor, torch.Tenso
     return ranges, spans, hopper.tile_row_offsets(kv_tile, KEYS)
 
 
-def build_launch(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
+def build_launches(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
     """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted; ``grads``: the (dK, dV) buffers
-    (``[B, N, Hkv, D]`` views) the launches write, whose strides are part of the launch."""
+    (``[B, N, Hkv, D]`` views) the launches write, whose strides are part of their arguments."""
     from . import launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]

@@ -181,7 +181,8 @@ def na_bwd_dq_nonfinite_kernel(
 
 @dataclass(frozen=True)
 class HopperDq:
-    """A backward problem's dQ launch on the Hopper kernel, its non-finite fixup included (``build_launch``)."""
+    """A backward problem's dQ launches on the Hopper kernel: the main kernel's and its non-finite fixup's
+    (``build_launches``)."""
 
     grid: tuple
     starts: torch.Tensor  # the forward's window tables (``hopper.window_tables``)
@@ -212,9 +213,9 @@ def unsupported(q4, k4, v4, do4, o4, rpb, params: NAParams, scale: float) -> str
     return why
 
 
-def build_launch(q4, k4, v4, do4, o4, params: NAParams, scale: float, dq) -> HopperDq:
+def build_launches(q4, k4, v4, do4, o4, params: NAParams, scale: float, dq) -> HopperDq:
     """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted; ``dq``: the ``[B, N, Hq, D]`` buffer
-    (view) the launches write, whose strides are part of the launch."""
+    (view) the launches write, whose strides are part of their arguments."""
     from . import launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]

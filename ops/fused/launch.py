@@ -500,7 +500,7 @@ NO_HOST_DESCRIPTORS = "the launch builds no host descriptors (the eager block's 
 
 
 def _takes_hopper(kernel: str, why: str | None) -> bool:
-    """Whether a launch plan runs ``kernel`` on its Hopper kernel (``why`` is ``None``); else ``why``, the reason,
+    """Whether a plan runs ``kernel`` on its Hopper kernel (``why`` is ``None``); else ``why``, the reason,
     goes to this module's debug log, once per plan (plans are cached)."""
     if why is not None:
         log.debug("fused %s: portable kernel; not the Hopper kernel: %s", kernel, why)
@@ -565,7 +565,7 @@ def plan_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
     # (precision: torch's float32 matmul setting, part of the plan's key)
     choices = forward_choices(q4, k4, v4, rpb, params, scale, q.dtype, host_descriptors)
     why = choices.hopper_why
-    on_hopper = hopper.build_launch(q4, k4, v4, params, scale, need_lse) if _takes_hopper("forward", why) else None
+    on_hopper = hopper.build_launches(q4, k4, v4, params, scale, need_lse) if _takes_hopper("forward", why) else None
     if on_hopper is not None:
         return ForwardPlan((), n, (b, *spatial, hq, dv), (b, *spatial, hq) if need_lse else None,
                            as_tokens=not _same_memory(((q4, q), (k4, k), (v4, v))), rpb_direct=False,
@@ -904,12 +904,12 @@ def plan_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
         _run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dk"], s["dv"],
                                *descriptor_args(q4, layouts, (k4, v4), (q4, do4)), _bias_tiles(tiles, s["table"], q4)))
 
-    dq_on_hopper = (hopper_dq.build_launch(q4, k4, v4, do4, o4, params, scale, grads[0])
+    dq_on_hopper = (hopper_dq.build_launches(q4, k4, v4, do4, o4, params, scale, grads[0])
                     if _takes_hopper("dQ", choices.dq_hopper_why) else None)
     dq_config = autotune.pick("dq", q, k, v, params, has_rpb, run_dq, tunable=dq_on_hopper is None,
                               tma=choices.dq_tma_ok, host_descriptors=choices.dq_host)
     dq_launches, dq_layouts, dq_tiles, dq_offsets = decide_dq(dq_config)
-    on_hopper = (hopper_dkdv.build_launch(q4, k4, v4, do4, params, scale, grads[1:])
+    on_hopper = (hopper_dkdv.build_launches(q4, k4, v4, do4, params, scale, grads[1:])
                  if _takes_hopper("dK/dV", choices.dkdv_hopper_why) else None)
     config = autotune.pick("dkdv", q, k, v, params, has_rpb, run_dkdv, tunable=on_hopper is None,
                            tma=choices.dkdv_tma_ok, host_descriptors=choices.dkdv_host)

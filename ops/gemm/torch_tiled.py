@@ -38,9 +38,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _plan(params: NAParams, batch, per_tile_elems, dtype):
+def _tile_chunks(params: NAParams, batch, per_tile_elems, dtype):
     """Tile tables and chunk boundaries keeping each chunk's temporaries (``batch`` x ``per_tile_elems`` per tile)
-    under CHUNK_BYTES.  A traced call plans for one batch element: its graph serves any batch size."""
+    under CHUNK_BYTES (a tile chunk: a range of tiles processed together).  A traced call sizes its chunks for
+    one batch element: its graph serves any batch size."""
     p3 = pad_to_3d(params)
     traced = tracing()
     if traced:
@@ -100,7 +101,7 @@ def pn(a, b, params: NAParams, scale=1.0, rpb=None, fill=float("-inf"), out_dtyp
     ct = compute_dtype(a.dtype)
     if out is None:
         out = torch.empty(B, N, HA, W, dtype=out_dtype or a.dtype, device=a.device)
-    tiles, bounds = _plan(params, B, lambda tq, th: th * HB * D + tq * HA * (D + th + 3 * W), ct)
+    tiles, bounds = _tile_chunks(params, B, lambda tq, th: th * HB * D + tq * HA * (D + th + 3 * W), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
     a_hm, b_hm = _head_major(a.to(ct), HB), b.to(ct).permute(0, 2, 1, 3).contiguous()  # [B,Hb,N,G,D], [B,Hb,N,D]
     if ds is not None:
@@ -209,7 +210,7 @@ def nn(w, b, params: NAParams, scale=1.0, lse=None, out_dtype=None):
     G = HA // HB
     ct = compute_dtype(b.dtype)
     out = torch.empty(B, N, HA, DV, dtype=out_dtype or b.dtype, device=b.device)
-    tiles, bounds = _plan(params, B, lambda tq, th: th * HB * DV + tq * HA * (2 * th + 2 * W + DV), ct)
+    tiles, bounds = _tile_chunks(params, B, lambda tq, th: th * HB * DV + tq * HA * (2 * th + 2 * W + DV), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
     b_hm = b.to(ct).permute(0, 2, 1, 3).contiguous()
     finite = _all_finite(b_hm)
@@ -279,7 +280,7 @@ def attention_forward(q, k, v, params: NAParams, scale: float, rpb=None):
     G = HA // HB
     W = params.window_size
     ct = compute_dtype(q.dtype)
-    tiles, bounds = _plan(params, B, lambda tq, th: th * HB * (D + DV) + tq * HA * (D + 2 * th + 3 * W + DV), ct)
+    tiles, bounds = _tile_chunks(params, B, lambda tq, th: th * HB * (D + DV) + tq * HA * (D + 2 * th + 3 * W + DV), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
     cast = lambda t: t if t.dtype == ct else t.to(ct)  # noqa: E731  (no cast op in the graph where none is needed)
     q_hm = _head_major(cast(q), HB)  # [B, Hkv, N, G, D]
@@ -325,7 +326,7 @@ def inn(w, x, params: NAParams, heads_kv: int, scale=1.0, lse=None, out_dtype=No
     G = HA // HB
     ct = compute_dtype(x.dtype)
     acc = torch.zeros(B, HB, N, DX, dtype=ct, device=x.device)
-    tiles, bounds = _plan(params, B, lambda tq, th: th * HB * DX + tq * HA * (2 * th + 2 * W + DX), ct)
+    tiles, bounds = _tile_chunks(params, B, lambda tq, th: th * HB * DX + tq * HA * (2 * th + 2 * W + DX), ct)
     Tq, Th = tiles.tile_queries, tiles.tile_halo
     x_hm = _head_major(x.to(ct), HB)
     finite = _all_finite(x_hm)
