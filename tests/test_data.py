@@ -311,3 +311,20 @@ def test_folder_readers_read_each_file_once_through_link_loops(tmp_path):
     os.symlink(folder / "val" / CLASSES[1], folder / "train" / CLASSES[2] / "peek")
     with pytest.raises(DatasetLayoutError, match=r"2 files of the 'train' split are also in the 'val' split"):
         build_splits(data_cfg("folder", str(folder)))
+
+
+def test_cuda_worker_context_starts_workers_from_a_preloaded_fork_server():
+    """The context of CUDA-using loader workers: a fork server that has the data modules imported, whose workers
+    load the same batches as the main process does."""
+    from torch.utils.data import DataLoader
+
+    from namodels.data import datamodule
+
+    context = datamodule.cuda_worker_context()
+    assert context.get_start_method() == "forkserver"
+    from multiprocessing import forkserver
+
+    assert forkserver._forkserver._preload_modules[:2] == ["__main__", datamodule.__name__]
+    data = torch.arange(24.0).view(12, 2)
+    loaded = list(DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context=context))
+    assert torch.equal(torch.cat(loaded), data)

@@ -1,6 +1,6 @@
 """The device half of the GPU input pipeline: decode, crop and resize, augment, batched on the training GPU.
 
-Each loader worker (a process of its own, started with ``spawn`` because it uses CUDA) reads a batch's files
+Each loader worker (a process of its own, started by a fork server because it uses CUDA) reads a batch's files
 (:mod:`namodels.data.encoded`: encoded JPEGs, the few files only the CPU decodes as pixels, each training
 sample's RandomResizedCrop box drawn), then, as the batch's collate function, on the training GPU:
 

@@ -55,10 +55,16 @@ class InputWaitMonitor(Callback):
         pl_module.log("train/input_wait", fraction, on_step=True, on_epoch=False, batch_size=1)
         if fraction > self.threshold and self._warned_epoch != trainer.current_epoch:
             self._warned_epoch = trainer.current_epoch
-            log.warning("input-bound: training waited for its input %.0f%% of the last %d batches (%s); "
-                        "the GPU input pipeline (data.pipeline=gpu) or more loader workers (data.num_workers) "
-                        "would feed it faster", 100 * fraction, self.every_n_batches, _describe(trainer))
+            log.warning("input-bound: training waited for its input %.0f%% of the last %d batches (%s); %s",
+                        100 * fraction, self.every_n_batches, _describe(trainer), _advice(trainer))
         self._window_start, self._waited = now, 0.0
+
+
+def _advice(trainer) -> str:
+    dm = getattr(trainer, "datamodule", None)
+    if hasattr(dm, "pipeline") and isinstance(getattr(dm, "cfg", None), dict) and dm.pipeline() == "gpu":
+        return "more GPU loader processes (data.gpu.workers) would feed it faster"
+    return "the GPU input pipeline (data.pipeline=gpu) or more loader workers (data.num_workers) would feed it faster"
 
 
 def _describe(trainer) -> str:
@@ -67,4 +73,6 @@ def _describe(trainer) -> str:
     if not isinstance(cfg, dict):
         return "no data module settings"
     pipeline = dm.pipeline() if hasattr(dm, "pipeline") else "cpu"
+    if pipeline == "gpu":
+        return f"data.pipeline resolved to gpu, data.gpu.workers={(cfg.get('gpu') or {}).get('workers')}"
     return f"data.pipeline resolved to {pipeline}, data.num_workers={cfg.get('num_workers', 0)}"
