@@ -216,7 +216,8 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch
     ``stats`` float32 ``[2, rows]``: each row's mean, then 1/std.  ``add``: a contiguous ``[rows, C]`` tensor added
     to x first, in float32 (``add_scale``: a float32 ``[groups]`` vector, row r's addend scaled by
     ``add_scale[r // (rows / groups)]``: a residual branch under per-sample stochastic depth; ``add_gamma``: a ``[C]``
-    vector scaling the addend's columns, a layer scale); the sum, in x's dtype, is then returned third.  ``block_rows`` overrides the rows per program (tests)."""
+    vector scaling the addend's columns, a layer scale); the sum, in x's dtype, is then returned third.
+    ``block_rows`` overrides the rows per program (tests)."""
     n_rows, n_cols = x.shape
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)
