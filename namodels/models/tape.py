@@ -196,9 +196,10 @@ def replay(entries, saved, requires, out_key: int, d_out, leaves: int) -> list:
 class _BlockFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, plan, parts, casts, lease, *params):
+    def forward(ctx, x, plan, parts, block, *params):
         keys = {id(p): i + 1 for i, p in enumerate(params)}
         requires = [x.requires_grad] + [p.requires_grad for p in params]
+        casts, lease = _gemm_casts(block, parts, plan.dtype)  # (no grad mode here: the casts are not recorded)
         ex = TapeExecutor(plan, casts, keys, requires)
         # (the lease keeps the stage's cast buffer from being refilled while this backward can still read it)
         ex.saved.append(lease)
@@ -211,7 +212,7 @@ class _BlockFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         entries, requires, out_key, leaves = ctx.tape
         grads = replay(entries, ctx.saved_tensors, requires, out_key, d_out.contiguous(), leaves)
-        return (grads[0], None, None, None, None, *grads[1:])
+        return (grads[0], None, None, None, *grads[1:])
 
 
 # --- the rule ----------------------------------------------------------------------------------------------------
@@ -295,6 +296,13 @@ def _gemm_weights(p: B.BlockParts) -> tuple:
     return (p.qkv._parameters["weight"], p.qkv._parameters["bias"], p.proj._parameters["weight"],
             p.proj._parameters["bias"], p.fc1._parameters["weight"], p.fc1._parameters["bias"],
             p.fc2._parameters["weight"], p.fc2._parameters["bias"])
+
+
+def _gemm_casts(block, p: B.BlockParts, dtype) -> tuple[dict, object]:
+    """``(GEMM layer -> (weight, bias) in dtype, the lease of the stage's cast buffer or None)``."""
+    casts, lease = stage_casts.weight_casts(block, _gemm_weights(p), dtype, gemm_weights_of)
+    return {p.qkv: (casts[0], casts[1]), p.proj: (casts[2], casts[3]), p.fc1: (casts[4], casts[5]),
+            p.fc2: (casts[6], casts[7])}, lease
 
 
 def gemm_weights_of(block):
@@ -384,17 +392,14 @@ def run_block(block, x: torch.Tensor) -> torch.Tensor:
         _note_path(block, "ops", plan)
         return B.block_forward(B.OPS, p, x)
     _note_path(block, "tape", None)
-    weights = parameters(p)
-    casts, lease = stage_casts.weight_casts(block, _gemm_weights(p), plan.dtype, gemm_weights_of)
-    gemm = {p.qkv: (casts[0], casts[1]), p.proj: (casts[2], casts[3]), p.fc1: (casts[4], casts[5]),
-            p.fc2: (casts[6], casts[7])}
     device = x.device.type
     if plan.autocast:  # the primitives cast explicitly; autocast would also widen addcmul's bf16 input
         torch.set_autocast_enabled(device, False)
     try:
         if plan.grad:
-            return _BlockFunction.apply(x, plan, p, gemm, lease, *weights)
-        return B.block_forward(TapeExecutor(plan, gemm, {}, None), p, x)
+            return _BlockFunction.apply(x, plan, p, block, *parameters(p))
+        # inference: nothing needs a gradient, so nothing is recorded (the casts neither)
+        return B.block_forward(TapeExecutor(plan, _gemm_casts(block, p, plan.dtype)[0], {}, None), p, x)
     finally:
         if plan.autocast:
             torch.set_autocast_enabled(device, True)
