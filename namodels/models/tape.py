@@ -93,7 +93,7 @@ class TapeExecutor:
         self.entries, self.saved = [], []
 
     def _note(self, primitive, outs, saved, meta, in_keys):
-        if not self.record:
+        if not self.record:  # (inference: nothing to note)
             return outs
         requires = self.requires
         wanted = any(k is not None and requires[k] for k in in_keys)
@@ -113,6 +113,8 @@ class TapeExecutor:
         gamma_grad = self.record and gamma is not None and gamma.requires_grad
         outs, saved, meta = P.LayerNorm.forward(_t(x), weight, bias, norm.eps, self.plan.dtype, _t(add), mask, gamma,
                                                 self.record, gamma_grad)
+        if not self.record:
+            return outs[0] if add is None else outs
         in_keys = (_key_of(x), self._key(weight), self._key(bias))
         if add is not None:
             in_keys += (_key_of(add),) if gamma is None else (_key_of(add), self._key(gamma))
@@ -122,6 +124,8 @@ class TapeExecutor:
     def linear(self, layer, x):
         weight, bias = self.casts[layer]
         outs, saved, meta = P.Linear.forward(_t(x), weight, bias, self.record)
+        if not self.record:
+            return outs[0]
         params = layer._parameters
         return self._note(P.Linear, outs, saved, meta,
                           (_key_of(x), self._key(params["weight"]), self._key(params["bias"])))[0]
@@ -147,6 +151,8 @@ class TapeExecutor:
     def residual(self, x, y, mask, gamma):
         gamma_grad = self.record and gamma is not None and gamma.requires_grad
         outs, saved, meta = P.Residual.forward(_t(x), _t(y), mask, gamma, self.record, gamma_grad)
+        if not self.record:
+            return outs[0]
         in_keys = (_key_of(x), _key_of(y)) if gamma is None else (_key_of(x), _key_of(y), self._key(gamma))
         return self._note(P.Residual, outs, saved, meta, in_keys)[0]
 
