@@ -51,15 +51,17 @@ BACKWARD_PROGRAMS_PER_SM = 8
 if triton is not None:
 
     @triton.jit
-    def _layer_norm_forward_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, stats_ptr, add_ptr, scale_ptr, sum_ptr,
-                                   n_rows, rows_per_scale,
+    def _layer_norm_forward_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, stats_ptr, add_ptr, scale_ptr, gamma_ptr,
+                                   sum_ptr, n_rows, rows_per_scale,
                                    N_COLS: tl.constexpr, EPS: tl.constexpr,
                                    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
-                                   HAS_SCALE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                                   HAS_SCALE: tl.constexpr, HAS_GAMMA: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                                   BLOCK_C: tl.constexpr):
         """Rows ``pid * BLOCK_ROWS ...`` of ``y = (x - mean) * rstd * weight + bias``; ``stats`` is
         ``[2, n_rows]``: the mean, then 1/std.  ``HAS_ADD``: x is first replaced by ``x + add`` (``HAS_SCALE``:
-        ``x + add * scale[row // rows_per_scale]``, a residual branch with per-sample stochastic depth), in float32,
-        which is also stored to ``sum``."""
+        ``add`` times ``scale[row // rows_per_scale]``, a residual branch with per-sample stochastic depth;
+        ``HAS_GAMMA``: times ``gamma[col]``, a per-channel layer scale), in float32, which is also stored to
+        ``sum``."""
         rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         cols = tl.arange(0, BLOCK_C)
         row_ok = rows < n_rows
@@ -72,6 +74,8 @@ if triton is not None:
             branch = tl.load(add_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             if HAS_SCALE:
                 branch = branch * tl.load(scale_ptr + rows // rows_per_scale, mask=row_ok, other=0.0)[:, None]
+            if HAS_GAMMA:
+                branch = branch * tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             x = x + branch
             tl.store(sum_ptr + offsets, x.to(sum_ptr.dtype.element_ty), mask=mask)
         mean = tl.sum(x, axis=1) / N_COLS
@@ -90,19 +94,21 @@ if triton is not None:
 
     @triton.jit
     def _layer_norm_backward_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, stats_ptr, partial_ptr, residual_ptr,
-                                    copy_ptr, scale_ptr, n_rows, blocks_per_program, rows_per_scale,
-                                    N_COLS: tl.constexpr,
+                                    copy_ptr, scale_ptr, gamma_ptr, branch_ptr, n_rows, blocks_per_program,
+                                    rows_per_scale, N_COLS: tl.constexpr,
                                     HAS_WEIGHT: tl.constexpr, COMPUTE_DX: tl.constexpr,
                                     COMPUTE_DWEIGHT: tl.constexpr, COMPUTE_DBIAS: tl.constexpr,
                                     HAS_RESIDUAL: tl.constexpr, HAS_COPY: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                    HAS_GAMMA: tl.constexpr, COMPUTE_DGAMMA: tl.constexpr,
                                     BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
         """Program ``p`` handles row blocks ``p * blocks_per_program ...`` (the last ones may be empty)
         and writes row ``p`` of the partial sums ``partial [n_sums, programs, C]``: the weight gradient
         at index 0 when computed, then the bias gradient.  ``HAS_RESIDUAL``: dx also gets ``residual`` (a pre-norm
         block's skip-connection gradient) added; it may be dx itself (each element is read before it is written).
         ``HAS_COPY``: dx is also stored to ``copy`` in its dtype (``HAS_SCALE``: times
-        ``scale[row // rows_per_scale]``), the gradient that reaches a residual branch under per-sample stochastic
-        depth."""
+        ``scale[row // rows_per_scale]``; ``HAS_GAMMA``: times ``gamma[col]``), the gradient that reaches a residual
+        branch under per-sample stochastic depth and layer scale.  ``COMPUTE_DGAMMA``: the next partial-sum slot gets
+        gamma's gradient, ``dx * scale[row] * branch`` summed over rows (``branch``: the forward's ``add``)."""
         program = tl.program_id(0)
         cols = tl.arange(0, BLOCK_C)
         col_ok = cols < N_COLS
@@ -111,6 +117,9 @@ if triton is not None:
         # summed over rows once at the end: one cross-row reduction per program, not per block
         dweight_acc = tl.zeros((BLOCK_ROWS, BLOCK_C), dtype=tl.float32)
         dbias_acc = tl.zeros((BLOCK_ROWS, BLOCK_C), dtype=tl.float32)
+        dgamma_acc = tl.zeros((BLOCK_ROWS, BLOCK_C), dtype=tl.float32)
+        if HAS_GAMMA:
+            gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
 
         for block in range(0, blocks_per_program):
             rows = (program * blocks_per_program + block) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -139,6 +148,10 @@ if triton is not None:
                 if HAS_COPY:
                     if HAS_SCALE:
                         dx = dx * tl.load(scale_ptr + rows // rows_per_scale, mask=row_ok, other=0.0)[:, None]
+                    if COMPUTE_DGAMMA:
+                        dgamma_acc += dx * tl.load(branch_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+                    if HAS_GAMMA:
+                        dx = dx * gamma[None, :]
                     tl.store(copy_ptr + offsets, dx.to(copy_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DWEIGHT:
                 dweight_acc += dy * x_hat
@@ -151,6 +164,9 @@ if triton is not None:
             partial_row += tl.num_programs(0) * N_COLS
         if COMPUTE_DBIAS:
             tl.store(partial_row, tl.sum(dbias_acc, axis=0), mask=col_ok)
+            partial_row += tl.num_programs(0) * N_COLS
+        if COMPUTE_DGAMMA:
+            tl.store(partial_row, tl.sum(dgamma_acc, axis=0), mask=col_ok)
 
 
 def _block_shape(n_cols: int, tile_elements: int, block_rows: int | None = None) -> tuple[int, int, int]:
@@ -195,19 +211,21 @@ _BACKWARD_LAUNCHES: dict[tuple, object] = {}
 
 def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                        out_dtype: torch.dtype, *, add: torch.Tensor | None = None,
-                       add_scale: torch.Tensor | None = None, block_rows: int | None = None):
+                       add_scale: torch.Tensor | None = None, add_gamma: torch.Tensor | None = None,
+                       block_rows: int | None = None):
     """Normalise the rows of contiguous ``x [rows, C]``; returns ``(y [rows, C] in out_dtype, stats)``,
     ``stats`` float32 ``[2, rows]``: each row's mean, then 1/std.  ``add``: a contiguous ``[rows, C]`` tensor added
     to x first, in float32 (``add_scale``: a float32 ``[groups]`` vector, row r's addend scaled by
-    ``add_scale[r // (rows / groups)]``: a residual branch under per-sample stochastic depth); the sum, in x's dtype,
-    is then returned third.  ``block_rows`` overrides the rows per program (tests)."""
+    ``add_scale[r // (rows / groups)]``: a residual branch under per-sample stochastic depth; ``add_gamma``: a ``[C]``
+    vector scaling the addend's columns, a layer scale); the sum, in x's dtype, is then returned third.
+    ``block_rows`` overrides the rows per program (tests)."""
     n_rows, n_cols = x.shape
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)
     total = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if add is not None else None
     if n_rows:
         key = (n_rows, n_cols, eps, x.dtype, out_dtype, _dtype(weight), _dtype(bias), x.device, block_rows,
-               _dtype(add), None if add_scale is None else (add_scale.shape[0], add_scale.dtype))
+               _dtype(add), None if add_scale is None else (add_scale.shape[0], add_scale.dtype), _dtype(add_gamma))
         launch = _FORWARD_LAUNCHES.get(key)
         if launch is None:
             rows, block_c, num_warps = _block_shape(n_cols, FORWARD_TILE, block_rows)
@@ -215,12 +233,12 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch
                 _layer_norm_forward_kernel, (triton.cdiv(n_rows, rows), 1),
                 (n_rows, _rows_per_scale(n_rows, add_scale)), dict(
                     N_COLS=n_cols, EPS=eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-                    HAS_ADD=add is not None, HAS_SCALE=add_scale is not None, BLOCK_ROWS=rows, BLOCK_C=block_c,
-                    num_warps=num_warps)))
+                    HAS_ADD=add is not None, HAS_SCALE=add_scale is not None, HAS_GAMMA=add_gamma is not None,
+                    BLOCK_ROWS=rows, BLOCK_C=block_c, num_warps=num_warps)))
         with _launch_device(x.device):
             launch((x, y, x if weight is None else weight, x if bias is None else bias, stats,
                     x if add is None else add, stats if add_scale is None else add_scale,
-                    x if total is None else total))
+                    x if add_gamma is None else add_gamma, x if total is None else total))
     return (y, stats) if add is None else (y, stats, total)
 
 
@@ -239,21 +257,22 @@ def _dtype(t):
 
 
 def _backward_launch(n_rows: int, n_cols: int, x, dy, weight, compute_dx: bool, compute_dweight: bool,
-                     compute_dbias: bool, has_residual: bool, copy_scale, has_copy: bool, block_rows: int | None,
-                     max_programs: int | None):
+                     compute_dbias: bool, has_residual: bool, copy_scale, has_copy: bool, has_gamma: bool,
+                     compute_dgamma: bool, block_rows: int | None, max_programs: int | None):
     """``(launch or None, programs, n_sums)`` of a backward problem, every launch parameter decided once; ``n_sums``:
-    how many of dweight / dbias the programs write partial rows of."""
+    how many of dweight / dbias / dgamma the programs write partial rows of."""
     block_rows, block_c, num_warps = _block_shape(n_cols, BACKWARD_TILE, block_rows)
     n_blocks = triton.cdiv(n_rows, block_rows)
     programs, blocks_per_program = _backward_programs(n_blocks, x.device, max_programs) if n_blocks else (0, 1)
-    n_sums = int(compute_dweight) + int(compute_dbias)
+    n_sums = int(compute_dweight) + int(compute_dbias) + int(compute_dgamma)
     launch = None
     if programs and (compute_dx or n_sums):
         launch = PlannedLaunch(_layer_norm_backward_kernel, (programs, 1),
                                (n_rows, blocks_per_program, _rows_per_scale(n_rows, copy_scale)), dict(
             N_COLS=n_cols, HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DWEIGHT=compute_dweight,
             COMPUTE_DBIAS=compute_dbias, HAS_RESIDUAL=has_residual, HAS_COPY=has_copy,
-            HAS_SCALE=copy_scale is not None, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=num_warps))
+            HAS_SCALE=copy_scale is not None, HAS_GAMMA=has_gamma, COMPUTE_DGAMMA=compute_dgamma,
+            BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=num_warps))
     return launch, programs, n_sums
 
 
@@ -261,6 +280,7 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
                         compute_dx: bool = True, compute_dweight: bool = True, compute_dbias: bool = True,
                         residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                         copy_dtype: torch.dtype | None = None, copy_scale: torch.Tensor | None = None,
+                        copy_gamma: torch.Tensor | None = None, gamma_input: torch.Tensor | None = None,
                         block_rows: int | None = None, max_programs: int | None = None):
     """Gradients of :func:`layer_norm_forward` for contiguous ``dy`` and ``x`` ``[rows, C]``: returns
     ``(dx in x.dtype, dweight, dbias)``, the last two float32 ``[C]``; None where not asked for (and
@@ -268,20 +288,25 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
     kernel (a pre-norm block's skip connection); ``out``: the tensor dx is written to (contiguous, x's shape and
     dtype; it may be ``residual``).  ``copy_dtype``: dx is also returned fourth in that dtype (``copy_scale``: a
     float32 ``[groups]`` vector scaling its rows as in :func:`layer_norm_forward`'s ``add_scale``), the gradient of
-    the residual branch added before the norm.  ``block_rows`` / ``max_programs`` override the launch shape
-    (tests)."""
+    the residual branch added before the norm; ``copy_gamma``: a ``[C]`` vector also scaling its columns (the forward's
+    ``add_gamma``), and then the gradient of that vector is returned fifth, float32, where ``gamma_input`` (the
+    forward's ``add``) is given, else None.  ``block_rows`` / ``max_programs`` override the launch shape (tests)."""
     n_rows, n_cols = x.shape
     compute_dweight = compute_dweight and weight is not None
     has_residual = residual is not None and compute_dx
     has_copy = copy_dtype is not None and compute_dx
+    has_gamma = copy_gamma is not None and has_copy
+    compute_dgamma = has_gamma and gamma_input is not None
     key = (n_rows, n_cols, x.dtype, dy.dtype, _dtype(weight), x.device, compute_dx, compute_dweight, compute_dbias,
            _dtype(residual) if has_residual else None, copy_dtype if has_copy else None,
-           None if copy_scale is None else (copy_scale.shape[0], copy_scale.dtype), block_rows, max_programs)
+           None if copy_scale is None else (copy_scale.shape[0], copy_scale.dtype),
+           _dtype(copy_gamma) if has_gamma else None, _dtype(gamma_input) if compute_dgamma else None, block_rows,
+           max_programs)
     entry = _BACKWARD_LAUNCHES.get(key)
     if entry is None:
         entry = remember_plan(_BACKWARD_LAUNCHES, key, _backward_launch(
             n_rows, n_cols, x, dy, weight, compute_dx, compute_dweight, compute_dbias, has_residual,
-            copy_scale if has_copy else None, has_copy, block_rows, max_programs))
+            copy_scale if has_copy else None, has_copy, has_gamma, compute_dgamma, block_rows, max_programs))
     launch, programs, n_sums = entry
     dx = (out if out is not None else torch.empty_like(x)) if compute_dx else None
     copy = torch.empty((n_rows, n_cols), dtype=copy_dtype, device=x.device) if has_copy else None
@@ -292,11 +317,16 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
         with _launch_device(x.device):
             launch((x, dy, x if dx is None else dx, x if weight is None else weight, stats, partial,
                     residual if has_residual else x, x if copy is None else copy,
-                    stats if copy_scale is None or not has_copy else copy_scale))
+                    stats if copy_scale is None or not has_copy else copy_scale,
+                    copy_gamma if has_gamma else x, gamma_input if compute_dgamma else x))
     sums = partial.sum(1) if n_sums else None
     dweight = sums[0] if compute_dweight else None
-    dbias = sums[n_sums - 1] if compute_dbias else None
-    return (dx, dweight, dbias) if copy_dtype is None else (dx, dweight, dbias, copy)
+    dbias = sums[int(compute_dweight)] if compute_dbias else None
+    if copy_dtype is None:
+        return dx, dweight, dbias
+    if copy_gamma is None:
+        return dx, dweight, dbias, copy
+    return dx, dweight, dbias, copy, sums[n_sums - 1] if compute_dgamma else None
 
 
 class LayerNormFunction(torch.autograd.Function):

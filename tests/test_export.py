@@ -25,7 +25,8 @@ from timm.utils.onnx import onnx_export
 
 import namodels  # noqa: F401  (registers the models)
 import ops
-from namodels.models import eager_block, layers
+from namodels.models import block as block_def
+from namodels.models import layers, tape
 from ops import backends
 from ops.gemm import torch_tiled
 
@@ -268,9 +269,9 @@ def test_exporting_a_backend_without_a_traced_form_names_the_fix():
     _check(torch.jit.trace(model, (x,), check_trace=False)(x), _eager(model, x), "torch.jit.trace after the fix")
 
 
-def test_eager_block_plan_steps_aside_while_tracing(monkeypatch):
+def test_the_block_tape_steps_aside_while_tracing(monkeypatch):
     block = layers.NATBlock(32, 2, kernel_size=3, backend="fused").eval()
     x = torch.randn(1, 7, 8, 32)
     monkeypatch.setattr(torch.jit, "is_tracing", lambda: True)
-    assert eager_block.plan(block, x) is None
-    assert "_eager_plans" not in block.__dict__
+    assert "traced" in tape.decide(block, block_def.block_parts(block), x)
+    assert "_tape_plans" not in block.__dict__

@@ -138,6 +138,40 @@ def test_forward_adds_a_branch_and_backward_writes_its_gradient(scaled):
     assert copy.dtype == torch.bfloat16 and _relative_error(copy, ref_dx * per_row) < 1e-2
 
 
+@needs_kernels
+@pytest.mark.parametrize("scaled", [False, True], ids=["gamma", "per-sample-scale-and-gamma"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["", "residual"])
+def test_a_layer_scaled_branch_and_the_gradient_of_its_scale(scaled, with_residual):
+    """``add_gamma`` / ``copy_gamma``: the norm of ``x + scale[sample] * gamma * branch`` (a layer-scaled residual
+    branch), the branch's gradient ``scale[sample] * gamma * dx`` and gamma's, ``sum(dx * scale[sample] * branch)``
+    over rows (``gamma_input``); ``residual`` is part of dx, the gradient of the sum."""
+    x, weight, bias, dy = _inputs((70, 48), torch.float32, affine=True, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    branch = torch.randn(70, 48, generator=gen).to(torch.bfloat16)
+    gamma = torch.randn(48, generator=gen)
+    residual = torch.randn(70, 48, generator=gen) if with_residual else None
+    scale = torch.tensor([0.0, 1.25, 1.25, 0.0, 1.25]) if scaled else None
+    per_row = scale.repeat_interleave(14)[:, None].double() if scaled else 1.0
+    ref_gamma = gamma.double().requires_grad_(True)
+    ref_x = x.detach().double().requires_grad_(True)
+    summed = ref_x + per_row * ref_gamma * branch.double()
+    ref_y = F.layer_norm(summed, (48,), weight.detach().double(), bias.detach().double(), 1e-5)
+    y, stats, total = ln.layer_norm_forward(x.detach(), weight.detach(), bias.detach(), 1e-5, torch.float32,
+                                            add=branch, add_scale=scale, add_gamma=gamma, block_rows=8)
+    assert _relative_error(total, summed) < 1e-6 and _relative_error(y, ref_y) < 1e-5
+    loss = (ref_y * dy.double()).sum() + ((summed * residual.double()).sum() if with_residual else 0)
+    ref_dx, ref_dgamma = torch.autograd.grad(loss, (ref_x, ref_gamma))
+    dx, _, _, copy, dgamma = ln.layer_norm_backward(dy, total, weight.detach(), stats, residual=residual,
+                                                    copy_dtype=torch.bfloat16, copy_scale=scale, copy_gamma=gamma,
+                                                    gamma_input=branch, block_rows=8, max_programs=3)
+    assert _relative_error(dx, ref_dx) < 1e-5
+    assert _relative_error(copy, ref_dx * per_row * gamma.double()) < 1e-2
+    assert dgamma.dtype == torch.float32 and _relative_error(dgamma, ref_dgamma) < 1e-5
+    *_, no_dgamma = ln.layer_norm_backward(dy, total, weight.detach(), stats, copy_dtype=torch.bfloat16,
+                                           copy_scale=scale, copy_gamma=gamma)
+    assert no_dgamma is None
+
+
 def test_a_scale_that_does_not_split_the_rows_is_refused():
     x = torch.randn(10, 8)
     with pytest.raises(ValueError, match="scale"):

@@ -17,7 +17,8 @@ from timm.models import checkpoint_seq
 from timm.models._features import feature_take_indices  # not re-exported by timm.models in 1.0.x
 from torch import nn
 
-from . import eager_block
+from . import tape
+from .stage_casts import stage_casts
 from .layers import NATBlock, refuse_scripting, stage_dilations
 
 GLOBAL_POOLS = ("avg", "")
@@ -93,9 +94,9 @@ class NAStage(nn.Module):
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and not torch.jit.is_scripting():
             return checkpoint_seq(self.blocks, x)
-        if torch.compiler.is_compiling() or not eager_block.ENABLED:
+        if torch.compiler.is_compiling() or not tape.ENABLED:
             return self.blocks(x)
-        with eager_block.stage_casts(self.blocks):  # eager: the blocks' weights cast in one copy
+        with stage_casts(self.blocks):  # eager: the taped blocks' weights cast in one copy
             return self.blocks(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

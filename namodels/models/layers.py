@@ -9,17 +9,13 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, trunc_normal_
 from torch import nn
 
 import ops
-from ops.functional import neighborhood_attention_qkvpacked
-from ops.unfused import na_av, na_qk
 
-from . import eager_block
-
-DILATION_MODES = ("clamp", "pad")
+from . import block, tape
+from .block import DILATION_MODES, fit_window  # noqa: F401  (re-exported: the window rule's public home)
 
 
 def refuse_scripting(module: nn.Module):
@@ -32,33 +28,14 @@ def refuse_scripting(module: nn.Module):
         "or torch.onnx.export instead (README, 'Export').")
 
 
-def fit_window(spatial: Sequence[int], kernel_size: Sequence[int], dilation: Sequence[int], mode: str):
-    """Dilation to use and the size to pad to, per axis, for a feature map of size ``spatial``.
-
-    ``mode='clamp'``: an axis with ``L < K * d`` runs with dilation ``max(1, L // K)`` (so
-    ``K * d <= L``); ``mode='pad'``: the dilation is kept and the axis is zero-padded to ``K * d``
-    (what the official NAT / DiNAT code does through NATTEN's module).  In both modes an axis
-    shorter than the kernel itself is zero-padded to ``K``.
-    """
-    if mode not in DILATION_MODES:
-        raise ValueError(f"dilation_mode: expected one of {DILATION_MODES}, got {mode!r}")
-    dilations, padded = [], []
-    for L, K, d in zip(spatial, kernel_size, dilation):
-        L = int(L)  # (the TorchScript-based ONNX exporter hands sizes over as 0-d tensors; windows need ints)
-        if mode == "clamp":
-            d = max(1, min(d, L // K))
-        dilations.append(d)
-        padded.append(max(L, K * d))
-    return tuple(dilations), tuple(padded)
-
-
 class NeighborhoodAttention2D(ops.NeighborhoodAttention2D):
     """``ops.NeighborhoodAttention2D`` whose window adapts to feature maps smaller than it.
 
     The official models are trained at 224 (or 384); at other input sizes a stage may be smaller
     than ``kernel_size * dilation``.  See :func:`fit_window` for what happens then.  Padded
     tokens are zeros (the input here is already normalised), attend and are attended like the
-    official implementation, and are cropped off the output.
+    official implementation, and are cropped off the output.  The computation is ``block.attention``
+    (the NAT block's attention, one definition), run with the primitives' torch forms.
     """
 
     def __init__(self, *args, dilation_mode: str = "clamp", **kwargs):
@@ -74,37 +51,19 @@ class NeighborhoodAttention2D(ops.NeighborhoodAttention2D):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[-1] != self.dim:
             raise ValueError(f"x: expected [B, H, W, {self.dim}], got {tuple(x.shape)}")
-        H, W = x.shape[1], x.shape[2]
-        dilation, (Hp, Wp) = fit_window((H, W), self.kernel_size, self.dilation, self.dilation_mode)
-        if (Hp, Wp) != (H, W):
-            x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))
-        out = self._attend(x, dilation)
-        if (Hp, Wp) != (H, W):
-            out = out[:, :H, :W]
-        return out
+        return block.attention(block.OPS, block.attention_parts(self), x)
 
-    def _attend(self, x: torch.Tensor, dilation: tuple[int, int]) -> torch.Tensor:
-        """The parent's computation with a per-call dilation (the configured one, or its clamp)."""
-        B, H, W, _ = x.shape
-        qkv = self.qkv(x).reshape(B, H, W, 3, self.num_heads, self.head_dim)
-        if self.training and self.attn_drop.p > 0:
-            q, k, v = qkv.unbind(-3)
-            # dropout needs the attention weights: unfused qk -> softmax -> dropout -> av
-            logits = na_qk(2, q * self.head_dim ** -0.5, k, self.kernel_size, self.stride, dilation, self.is_causal,
-                           rpb=self.rpb)
-            attn = self.attn_drop(torch.softmax(logits.float(), dim=-1).to(q.dtype))
-            out = na_av(2, attn, v, self.kernel_size, self.stride, dilation, self.is_causal)
-        else:
-            out = neighborhood_attention_qkvpacked(2, qkv, self.kernel_size, self.stride, dilation, self.is_causal,
-                                                   rpb=self.rpb, backend=self.backend)
-        return self.proj_drop(self.proj(out.reshape(B, H, W, self.dim)))
+
+block.SECTION_TYPES[block.attention] = NeighborhoodAttention2D
 
 
 class NATBlock(nn.Module):
     """Pre-norm transformer block with neighborhood attention (official ``NATLayer``).
 
     ``x + DropPath(gamma1 * attn(norm1(x)))`` then ``x + DropPath(gamma2 * mlp(norm2(x)))``;
-    ``gamma1``/``gamma2`` exist only when ``layer_scale`` is set.
+    ``gamma1``/``gamma2`` exist only when ``layer_scale`` is set.  The math is ``block.block_forward``; in eager
+    mode it runs as one autograd node where ``tape.decide`` allows (``self.path`` says which ran, and
+    ``self.path_reason`` why not the tape).
     """
 
     def __init__(
@@ -141,16 +100,7 @@ class NATBlock(nn.Module):
     __prepare_scriptable__ = refuse_scripting
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # eager: the whole block as one autograd function where it applies; traced code (torch.compile, export,
-        # jit.trace) records the modules, whose ops a graph can hold
-        if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
-            block_plan = eager_block.plan(self, x)
-            if block_plan is not None:
-                return eager_block.run(self, x, block_plan)
-        y = self.attn(self.norm1(x))
-        x = x + self.drop_path(self.gamma1 * y if self.layer_scale else y)
-        y = self.mlp(self.norm2(x))
-        return x + self.drop_path(self.gamma2 * y if self.layer_scale else y)
+        return tape.run_block(self, x)
 
 
 def stage_dilations(depths: Sequence[int], dilations) -> list[list[int]]:

@@ -112,7 +112,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_
     ``query`` (``[B, *spatial, H, D]``).  ``backward``: also explain the backward (None: where the call would build
     an autograd graph, as autograd decides from ``requires_grad`` and the grad mode); its dRPB follows
     ``rpb.requires_grad``.  ``deterministic``: dRPB in a fixed order (None: ``torch.use_deterministic_algorithms``
-    or ``ops.fused.op.DRPB_DETERMINISTIC_DEFAULT``).  ``host_descriptors``: False as the eager block's training path
+    or ``ops.fused.op.DRPB_DETERMINISTIC_DEFAULT``).  ``host_descriptors``: False as the taped NAT block's training path
     launches.  Nothing runs on the device; explaining a backward allocates one uninitialised output-sized tensor as a
     stand-in for the call's output and its gradient (their layout is a fresh contiguous one, as in an eager step).
     """

@@ -414,7 +414,7 @@ def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True,
     """Returns ``out [B, *spatial, Hq, Dv]`` (input dtype) and ``lse [B, *spatial, Hq]`` (float32), or None for
     lse where ``need_lse`` is False (the kernel then skips its store).  ``host_descriptors``: False keeps the
     launches from building TMA descriptors on the host, where the host bounds the step: they save GPU time but cost
-    host time on every launch (``namodels.models.eager_block``'s training path; docs/performance.md)."""
+    host time on every launch (the taped NAT block's training path, ``namodels.models.tape``; docs/performance.md)."""
     key = _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors)
     plan = _FORWARD.get(key)
     if plan is None:
@@ -496,7 +496,7 @@ def _bias_tiles_spec(kernel, programs: int, heads: int, scale: float, window, bo
 
 # why a plan with ``host_descriptors=False`` keeps every kernel off its Hopper kernel, which reads every tile through
 # host-built descriptors
-NO_HOST_DESCRIPTORS = "the launch builds no host descriptors (the eager block's training path)"
+NO_HOST_DESCRIPTORS = "the launch builds no host descriptors (the taped NAT block's training path)"
 
 
 def _takes_hopper(kernel: str, why: str | None) -> bool:
