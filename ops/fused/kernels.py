@@ -22,7 +22,7 @@ Conventions shared by every kernel (see ``ops/fused/launch.py`` for the host sid
   are 64 rows tall).
 * ``TMA`` (constexpr): the tiles a loop visits (K/V, or Q/dO in dK/dV, plus dK/dV's own K/V tile)
   come from device-side TMA descriptors, one per dilation group (``_group_descriptor``), instead of
-  pointer tensors; the host sets it only where the GPU and the tensors allow it (``launch.tma_eligible``).
+  pointer tensors; the host sets it only where the GPU and the tensors allow it (``decide.tma_eligible``).
 * ``BIAS_TILES`` (constexpr): the RPB and the window mask of every box come precomputed, one [rows, cols] tile per
   (head, program, box) shared by the whole batch (``na_bias_tiles_kernel`` / ``na_bias_tiles_inverse_kernel``, run
   once per call), and start the score matmul; else the kernels gather the bias per element (``_rpb_index``) and
