@@ -358,7 +358,7 @@ def _record_drpb_paths(monkeypatch) -> list:
     from ops.fused import rpb_grad
 
     paths = []
-    for module, name in ((rpb_grad, "reduce_tile_ds"), (rpb_grad, "reduce_window_ds"), (launch, "_drpb_launch")):
+    for module, name in ((rpb_grad, "reduce_tile_ds"), (rpb_grad, "reduce_window_ds"), (decide, "_drpb_launch")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: paths.append(_name) or
                             _real(*a, **kw))
