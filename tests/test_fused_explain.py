@@ -32,16 +32,16 @@ def fresh_plans(monkeypatch):
     """An empty decision cache, and a list of the plans the launcher builds from here on."""
     monkeypatch.setattr(decide, "_PLANS", {})
     built = {"forward": [], "backward": []}
-    plan_forward, plan_backward = decide.decide_forward, decide.decide_backward
+    decide_forward, decide_backward = decide.decide_forward, decide.decide_backward
 
     def record_forward(*args, **kwargs):
-        plan = plan_forward(*args, **kwargs)
+        plan = decide_forward(*args, **kwargs)
         if not kwargs.get("dry"):  # (``explain`` decides dry, and keeps nothing)
             built["forward"].append(plan)
         return plan
 
     def record_backward(*args, **kwargs):
-        plan = plan_backward(*args, **kwargs)
+        plan = decide_backward(*args, **kwargs)
         if not kwargs.get("dry"):
             built["backward"].append(plan)
         return plan

@@ -30,6 +30,7 @@ from .tiles import axes_of, choose_tiles, loop_length, max_boxes, partial_axes, 
 from ..window import NAParams
 
 log = logging.getLogger(__name__)
+_strides = launch._strides  # (batch, token, head) strides of a [B, N, H, D] tensor
 
 
 def capability(device: torch.device) -> tuple[int, int] | None:
@@ -419,7 +420,7 @@ class ForwardPlan:
     rpb_direct: bool  # the rpb tensor is the kernels' table as it is (float32, contiguous, one launch)
     host_desc_layouts: tuple | None = None  # (K/V layouts,) of host-built descriptors, rebuilt per call
     bias_tiles: tuple | None = None  # (launch, elements, dtype) of the per-box RPB tiles (``na_bias_tiles_kernel``)
-    hopper: hopper.HopperForward | None = None  # the problem runs on the Hopper kernel instead (``ops/fused/hopper.py``)
+    hopper: hopper.HopperForward | None = None  # the problem runs on the Hopper kernel instead (``hopper.py``)
     choices: ForwardChoices | None = None
     config: ResolvedConfig | None = None  # the portable kernel's (None on the Hopper kernel, or the tuner's to come)
     config_source: str = ""
@@ -434,7 +435,8 @@ class ForwardPlan:
 def _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors):
     # k / v alignment decides whether their tiles can be bulk copies (tma_eligible)
     return ("forward", params, q.shape, q.stride(), k.shape, k.stride(), v.stride(), v.shape[-1], q.dtype, q.device,
-            None if rpb is None else (rpb.dtype, rpb.stride()), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse, BIAS_TILES, autotune.state(),
+            None if rpb is None else (rpb.dtype, rpb.stride()), scale, k.data_ptr() % 16, v.data_ptr() % 16, need_lse,
+            BIAS_TILES, autotune.state(),
             dot_precision(q.dtype), host_descriptors, hopper.ENABLED)
 
 
@@ -511,7 +513,7 @@ class ForwardChoices:
     tma_ok: bool  # K/V tiles may be TMA copies (``tma_eligible``)
     host_desc: bool  # ... through descriptors built on the host (``host_descriptors_ok``)
     idx64: bool  # ``IDX64`` (``needs_int64``)
-    precision: str  # ``PREC`` (``autotune.dot_precision``)
+    precision: str  # ``PREC`` (``dot_precision``)
     bias_tiles: bool  # RPB through bias tiles wherever a launch's table fits (``BIAS_TILES``, positive scale)
 
 
@@ -570,7 +572,7 @@ def decide_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
                            choices.precision)
         boxes, tile = _boxes_and_tile(params, config)
         meta.update(forward_flags(choices, params, config, scale, has_rpb, hq, need_lse))
-        scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *launch._strides(out4), *lse_strides,
+        scalars = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4), *lse_strides,
                    hq, hq // hkv, d, dv, scale * kernels.LOG2E, *window, boxes)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
         tiles = None
@@ -581,7 +583,8 @@ def decide_forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool,
 
     @functools.cache
     def tuning_outputs():
-        return (launch._rpb_table(rpb, hq) if has_rpb else q4, torch.empty((b, n, hq, dv), dtype=q.dtype, device=q.device),
+        return (launch._rpb_table(rpb, hq) if has_rpb else q4,
+                torch.empty((b, n, hq, dv), dtype=q.dtype, device=q.device),
                 torch.empty((b, n, hq), dtype=torch.float32, device=q.device))
 
     def run_candidate(config: ResolvedConfig):
@@ -776,7 +779,7 @@ def decide_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scal
     choices = backward_choices(q4, k4, v4, o4, do4, grads, rpb, params, scale, q.dtype, deterministic, want_drpb,
                                host_descriptors)
     ds_shape, ds_atomic = choices.ds_shape, choices.ds_atomic
-    common = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *launch._strides(do4), lse3.stride(0), lse3.stride(1))
+    common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), lse3.stride(0), lse3.stride(1))
     tiles_dtype = bias_tiles_dtype(q.dtype)
 
     @functools.cache  # the tuner runs each candidate many times
@@ -786,7 +789,7 @@ def decide_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scal
                            choices.precision)
         boxes, tile = _boxes_and_tile(params, config)
         meta.update(dq_flags(choices, params, config, scale, hq, dlse is not None))
-        scalars = (*common, *launch._strides(grads[0]), *_window_ds_strides(ds_shape, ds_atomic), *launch._strides(o4), hq,
+        scalars = (*common, *_strides(grads[0]), *_window_ds_strides(ds_shape, ds_atomic), *_strides(o4), hq,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, boxes)
         layouts = (host_kv_layouts(params, k4, v4, config.inner_tile),) if meta["HOST_DESC"] else None
         tiles = offsets = None
@@ -805,7 +808,7 @@ def decide_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scal
                            choices.precision)
         boxes, tile = _boxes_and_tile(params, config, inverse=True)
         meta.update(dkdv_flags(choices, params, config, scale, hq))
-        scalars = (*common, *launch._strides(grads[1]), *launch._strides(grads[2]), hkv,
+        scalars = (*common, *_strides(grads[1]), *_strides(grads[2]), hkv,
                    hq // hkv, d, dv, scale * kernels.LOG2E, scale, *window, boxes)
         layouts = None
         if meta["HOST_DESC"]:  # K/V in boxes of the KV tile, Q/dO in boxes of the query tile
@@ -850,7 +853,8 @@ def decide_backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scal
         launches, layouts, tiles = decide_dkdv(config)
         s = tuning_inputs()
         launch._run_chunks(launches, (q4, k4, v4, s["table"], do4, lse3, s["delta"], s["dk"], s["dv"],
-                               *launch.descriptor_args(q4, layouts, (k4, v4), (q4, do4)), launch._bias_tiles(tiles, s["table"], q4)))
+                                      *launch.descriptor_args(q4, layouts, (k4, v4), (q4, do4)),
+                                      launch._bias_tiles(tiles, s["table"], q4)))
 
     dq_on_hopper = (hopper_dq.build_launches(q4, k4, v4, do4, o4, params, scale, grads[0])
                     if _takes_hopper("dQ", choices.dq_hopper_why) else None)

@@ -33,7 +33,7 @@ class KernelDecision:
     num_warps: int | None
     num_stages: int | None
     maxnreg: int | None
-    config_source: str  # where the tile config comes from (forced, memo, tuning cache, tuner, defaults)
+    config_source: str  # where the tile config comes from (forced, tuning cache, tuner, defaults)
     tma: bool  # tiles read by TMA
     host_descriptors: bool  # TMA descriptors built on the host
     masking: str  # "mask in dot", "selects" or "no mask code"

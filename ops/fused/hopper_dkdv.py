@@ -372,8 +372,8 @@ def inverse_tables(params: NAParams, kv_tile) -> tuple[torch.Tensor, torch.Tenso
 
 
 def build_launches(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
-    """Tiles, tables, grid and arguments of a problem ``decide.hopper_unsupported`` accepted; ``grads``: the (dK, dV) buffers
-    (``[B, N, Hkv, D]`` views) the launches write, whose strides are part of their arguments."""
+    """Tiles, tables, grid and arguments of a problem ``decide.hopper_dkdv_unsupported`` accepted; ``grads``: the
+    (dK, dV) buffers (``[B, N, Hkv, D]`` views) the launches write, whose strides are part of their arguments."""
     from . import decide, launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]

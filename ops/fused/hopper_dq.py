@@ -205,8 +205,8 @@ class HopperDq:
 
 
 def build_launches(q4, k4, v4, do4, o4, params: NAParams, scale: float, dq) -> HopperDq:
-    """Tiles, tables, grid and arguments of a problem ``decide.hopper_unsupported`` accepted; ``dq``: the ``[B, N, Hq, D]`` buffer
-    (view) the launches write, whose strides are part of their arguments."""
+    """Tiles, tables, grid and arguments of a problem ``decide.hopper_dq_unsupported`` accepted; ``dq``: the
+    ``[B, N, Hq, D]`` buffer (view) the launches write, whose strides are part of their arguments."""
     from . import decide, launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
