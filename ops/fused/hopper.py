@@ -730,18 +730,3 @@ def _descriptor(t: torch.Tensor, shape, strides, block) -> "GluonDescriptor":
     element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
     return GluonDescriptor(t, list(shape), list(strides), list(block),
                            gl.NVMMASharedLayout.get_default_for(list(block), element))
-
-
-def run(fw: HopperForward, q4, k4, v4, out4, lse) -> None:
-    """``out4`` (``[B, N, H, D]``) and ``lse`` (``[B, N, H]`` float32, or None) for the problem of ``fw``."""
-    q_desc = _descriptor(q4, *fw.q_layout)
-    k_desc = _descriptor(k4, *fw.kv_layouts[0])
-    v_desc = _descriptor(v4, *fw.kv_layouts[1])
-    if not out4.is_contiguous():
-        raise ValueError("out4: the Hopper forward writes a contiguous [B, N, H, D] output")
-    o_desc = _descriptor(out4, *fw.o_layout)
-    flags = torch.empty(fw.programs * ROWS, dtype=torch.int8, device=q4.device)
-    lse_arg = out4 if lse is None else lse
-    na_fwd_hopper_kernel[fw.main_grid(q4.device)](q_desc, k_desc, v_desc, o_desc, lse_arg, flags, fw.starts, fw.spans,
-                                                  fw.order, fw.row_offsets, *fw.scalars, **fw.meta)
-    na_fwd_nonfinite_kernel[fw.grid](q4, k4, v4, out4, lse_arg, flags, *fw.fixup_scalars, **fw.fixup_meta)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import carveout, hopper, kernels, tiles
+from . import hopper, kernels, tiles
 from .kernels import _dkdv_by_offset, _program_group
 from ..window import NAParams
 
@@ -402,20 +402,3 @@ def build_launches(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> Ho
     return HopperDkDv((programs, b * hkv), ranges, spans, order, key_offsets, scalars, meta,
                       fixup_scalars, fixup_meta, decide.host_kv_layouts(params, k4, v4, box),
                       decide.host_kv_layouts(params, q4, do4, q_tile))
-
-
-def run(bw: HopperDkDv, q4, k4, v4, do4, lse, delta, dk, dv) -> None:
-    """``dk`` and ``dv`` (``[B, N, Hkv, D]``) from ``lse`` and ``delta`` (``[B, N, Hq]`` float32) for the problem of
-    ``bw``."""
-    k_desc = hopper._descriptor(k4, *bw.kv_layouts[0])
-    v_desc = hopper._descriptor(v4, *bw.kv_layouts[1])
-    q_desc = hopper._descriptor(q4, *bw.q_layouts[0])
-    do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
-    flags = torch.empty(bw.programs * KEYS, dtype=torch.int8, device=q4.device)
-    compiled = na_bwd_dkdv_hopper_kernel[bw.grid](k_desc, v_desc, q_desc, do_desc, dk, dv, lse, delta, flags,
-                                                  bw.query_ranges, bw.spans, bw.order, bw.key_offsets, *bw.scalars,
-                                                  **bw.meta)
-    # the consumers spill (``docs/fused.md``, "What holds dK/dV back"): L1 for their reloads
-    carveout.fit_shared_memory(compiled, 1)
-    na_bwd_dkdv_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dk, dv, flags, *bw.fixup_scalars,
-                                          **bw.fixup_meta)

@@ -223,18 +223,3 @@ def build_launches(q4, k4, v4, do4, o4, params: NAParams, scale: float, dq) -> H
     return HopperDq((programs, b * hq), starts, spans, order, row_offsets, (*scalars, int(masked)), meta, fixup_scalars,
                     hopper.fixup_meta(params, q_tile, d), decide.host_kv_layouts(params, q4, do4, box),
                     decide.host_kv_layouts(params, k4, v4, kv_tile), q_tile, kv_tile, masked)
-
-
-def run(bw: HopperDq, q4, k4, v4, do4, o4, lse, dlse, delta, dq) -> None:
-    """``dq`` (``[B, N, Hq, D]``) and ``delta`` (``[B, N, Hq]`` float32, read by dK/dV next) from ``lse`` and, where
-    given, ``dlse`` (both ``[B, N, Hq]`` float32) for the problem of ``bw``."""
-    q_desc = hopper._descriptor(q4, *bw.q_layouts[0])
-    do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
-    k_desc = hopper._descriptor(k4, *bw.kv_layouts[0])
-    v_desc = hopper._descriptor(v4, *bw.kv_layouts[1])
-    flags = torch.empty(bw.programs * hopper.ROWS, dtype=torch.int8, device=q4.device)
-    scalars = (*bw.scalars[:-1], int(dlse is not None), bw.scalars[-1])
-    na_bwd_dq_hopper_kernel[bw.grid](q_desc, do_desc, k_desc, v_desc, o4, delta if dlse is None else dlse, lse,
-                                     delta, dq, flags, bw.starts, bw.spans, bw.order, bw.row_offsets, *scalars,
-                                     **bw.meta)
-    na_bwd_dq_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dq, flags, *bw.fixup_scalars, **bw.fixup_meta)

@@ -15,7 +15,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import hopper, hopper_dkdv, hopper_dq, kernels, rpb_grad
+from . import carveout, hopper, hopper_dkdv, hopper_dq, kernels, rpb_grad
 from ..window import NAParams
 
 
@@ -239,7 +239,6 @@ def remember_plan(plans: dict, key: tuple, plan):
     return plan
 
 
-
 def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True, host_descriptors: bool = True):
     """Returns ``out [B, *spatial, Hq, Dv]`` (input dtype) and ``lse [B, *spatial, Hq]`` (float32), or None for
     lse where ``need_lse`` is False (the kernel then skips its store).  ``host_descriptors``: False keeps the
@@ -250,8 +249,8 @@ def forward(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = True,
     lse = _empty(plan.lse_shape, torch.float32, q.device) if plan.lse_shape is not None else None
     if plan.hopper is not None:  # its kernel takes [B, N, H, D] views whatever ``as_tokens`` says
         b, hq = out.shape[0], out.shape[-2]
-        hopper.run(plan.hopper, _tokens(q, plan.tokens), _tokens(k, plan.tokens), _tokens(v, plan.tokens),
-                   out.view(b, plan.tokens, hq, -1), None if lse is None else lse.view(b, plan.tokens, hq))
+        _run_hopper_forward(plan.hopper, _tokens(q, plan.tokens), _tokens(k, plan.tokens), _tokens(v, plan.tokens),
+                            out.view(b, plan.tokens, hq, -1), None if lse is None else lse.view(b, plan.tokens, hq))
         return out, lse
     table = None if rpb is None else rpb if plan.rpb_direct else _rpb_table(rpb, q.shape[-2])
     if plan.as_tokens:
@@ -307,14 +306,14 @@ def backward(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale: floa
     if plan.ds_tiles:  # zeroed by dQ's tile generator, at the boxes dQ adds to
         ds = _empty((plan.ds_tiles,), torch.float32, dev)
     if plan.hopper_dq is not None:  # (pointers and the plan's strides: the tensors' shapes do not matter)
-        hopper_dq.run(plan.hopper_dq, q, k, v, d_out, out, lse, d_lse, delta, dq)
+        _run_hopper_dq(plan.hopper_dq, q, k, v, d_out, out, lse, d_lse, delta, dq)
     else:
         _run_chunks(plan.dq_launches, (q, k, v, table, d_out, lse, delta, dq,
                                        *descriptor_args(q, plan.dq_layouts, (k, v)), q if ds is None else ds,
                                        _bias_tiles(plan.dq_bias_tiles, table, q, ds if plan.ds_tiles else None), out,
                                        delta if d_lse is None else d_lse))
     if plan.hopper_dkdv is not None:
-        hopper_dkdv.run(plan.hopper_dkdv, q, k, v, d_out, lse, delta, dk, dvv)
+        _run_hopper_dkdv(plan.hopper_dkdv, q, k, v, d_out, lse, delta, dk, dvv)
     else:
         _run_chunks(plan.dkdv_launches, (q, k, v, table, d_out, lse, delta, dk, dvv,
                                          *descriptor_args(q, plan.dkdv_layouts, (k, v), (q, d_out)),
@@ -350,6 +349,59 @@ def _drpb_total(partial, atomic: bool):
 def _as_rpb_grad(total, rpb):
     """The float32 dRPB sum of either path in the shape and dtype of ``rpb``; None where none was computed."""
     return None if total is None else total.reshape(rpb.shape).to(rpb.dtype)
+
+
+# --- the Hopper kernels' records ------------------------------------------------------------------------------------
+# A Hopper record (``hopper.HopperForward``, ``hopper_dq.HopperDq``, ``hopper_dkdv.HopperDkDv``) holds the arguments of
+# two launches, the main kernel's and its non-finite fixup's; the main kernel reads its tiles through Gluon descriptors,
+# which are built here per call from the record's layouts, as the portable launches' host-built descriptors are.
+
+def _run_hopper_forward(fw: hopper.HopperForward, q4, k4, v4, out4, lse) -> None:
+    """``out4`` (``[B, N, H, D]``) and ``lse`` (``[B, N, H]`` float32, or None) for the problem of ``fw``."""
+    q_desc = hopper._descriptor(q4, *fw.q_layout)
+    k_desc = hopper._descriptor(k4, *fw.kv_layouts[0])
+    v_desc = hopper._descriptor(v4, *fw.kv_layouts[1])
+    if not out4.is_contiguous():
+        raise ValueError("out4: the Hopper forward writes a contiguous [B, N, H, D] output")
+    o_desc = hopper._descriptor(out4, *fw.o_layout)
+    flags = torch.empty(fw.programs * hopper.ROWS, dtype=torch.int8, device=q4.device)
+    lse_arg = out4 if lse is None else lse
+    hopper.na_fwd_hopper_kernel[fw.main_grid(q4.device)](q_desc, k_desc, v_desc, o_desc, lse_arg, flags, fw.starts,
+                                                         fw.spans, fw.order, fw.row_offsets, *fw.scalars, **fw.meta)
+    hopper.na_fwd_nonfinite_kernel[fw.grid](q4, k4, v4, out4, lse_arg, flags, *fw.fixup_scalars, **fw.fixup_meta)
+
+
+def _run_hopper_dq(bw: hopper_dq.HopperDq, q4, k4, v4, do4, o4, lse, dlse, delta, dq) -> None:
+    """``dq`` (``[B, N, Hq, D]``) and ``delta`` (``[B, N, Hq]`` float32, read by dK/dV next) from ``lse`` and, where
+    given, ``dlse`` (both ``[B, N, Hq]`` float32) for the problem of ``bw``."""
+    q_desc = hopper._descriptor(q4, *bw.q_layouts[0])
+    do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
+    k_desc = hopper._descriptor(k4, *bw.kv_layouts[0])
+    v_desc = hopper._descriptor(v4, *bw.kv_layouts[1])
+    flags = torch.empty(bw.programs * hopper.ROWS, dtype=torch.int8, device=q4.device)
+    scalars = (*bw.scalars[:-1], int(dlse is not None), bw.scalars[-1])
+    hopper_dq.na_bwd_dq_hopper_kernel[bw.grid](q_desc, do_desc, k_desc, v_desc, o4, delta if dlse is None else dlse,
+                                               lse, delta, dq, flags, bw.starts, bw.spans, bw.order, bw.row_offsets,
+                                               *scalars, **bw.meta)
+    hopper_dq.na_bwd_dq_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dq, flags, *bw.fixup_scalars,
+                                                  **bw.fixup_meta)
+
+
+def _run_hopper_dkdv(bw: hopper_dkdv.HopperDkDv, q4, k4, v4, do4, lse, delta, dk, dv) -> None:
+    """``dk`` and ``dv`` (``[B, N, Hkv, D]``) from ``lse`` and ``delta`` (``[B, N, Hq]`` float32) for the problem of
+    ``bw``."""
+    k_desc = hopper._descriptor(k4, *bw.kv_layouts[0])
+    v_desc = hopper._descriptor(v4, *bw.kv_layouts[1])
+    q_desc = hopper._descriptor(q4, *bw.q_layouts[0])
+    do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
+    flags = torch.empty(bw.programs * hopper_dkdv.KEYS, dtype=torch.int8, device=q4.device)
+    compiled = hopper_dkdv.na_bwd_dkdv_hopper_kernel[bw.grid](k_desc, v_desc, q_desc, do_desc, dk, dv, lse, delta,
+                                                              flags, bw.query_ranges, bw.spans, bw.order,
+                                                              bw.key_offsets, *bw.scalars, **bw.meta)
+    # the consumers spill (``docs/fused.md``, "What holds dK/dV back"): L1 for their reloads
+    carveout.fit_shared_memory(compiled, 1)
+    hopper_dkdv.na_bwd_dkdv_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dk, dv, flags, *bw.fixup_scalars,
+                                                      **bw.fixup_meta)
 
 
 from . import decide  # noqa: E402  (decide builds ``_Launch`` records: imported once they are defined)
