@@ -440,9 +440,6 @@ def _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors):
             dot_precision(q.dtype), host_descriptors, hopper.ENABLED)
 
 
-    return tiles
-
-
 # The kernels read each box's RPB and window mask as one contiguous tile of a table built per call
 # (``kernels.na_bias_tiles_kernel``) wherever there is an RPB and the scale is positive, instead of gathering the bias
 # per element: the table is shared by the batch and stays in L2 (docs/fused.md, "Softmax and masking").  Off (also
