@@ -100,7 +100,7 @@ def window_constexprs(rank, q_tile, kv_tile, d, dv, rpb=False, causal=(False, Fa
 
 def launcher_defaults(fn, constexprs):
     """``constexprs`` plus the launcher's bf16 values of those the cases do not vary (where the kernel has them):
-    Triton's default dot precision, and the rows per step of the window-offset loops (``launch.gather_rows``)."""
+    Triton's default dot precision, and the rows per step of the window-offset loops (``decide.gather_rows``)."""
     extra = {}
     if "PREC" in fn.arg_names:
         extra["PREC"] = "tf32"

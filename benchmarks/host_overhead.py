@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ops
-from ops.fused import launch
+from ops.fused import decide, launch
 from ops.functional import make_params
 
 
@@ -52,7 +52,7 @@ def main():
     rpb = torch.randn(H, 13, 13, device="cuda")
     params = make_params((14, 14), 7)
     launch.forward(q, k, v, rpb, params, D ** -0.5)
-    (plan,) = launch._FORWARD.values()  # the bare launch: the plan's kernel with this call's arguments prepared
+    (plan,) = decide.plans("forward")  # the bare launch: the plan's kernel with this call's arguments prepared
     q4, k4, v4 = (launch._tokens(t, plan.tokens) if plan.as_tokens else t for t in (q, k, v))
     out = torch.empty(plan.out_shape, dtype=q.dtype, device="cuda")
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device="cuda")

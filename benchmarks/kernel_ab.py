@@ -10,7 +10,7 @@ call timed as ``ops.bench`` times it (``bench._bench``, at least ``bench.MIN_CAL
 ``bench.time_alternating``; medians over rounds reported).  Every variant's output (and gradients with
 ``--backward``) is compared with the base's (max abs difference), and one that differs by more than 1e-2 is flagged.
 ``--profile`` also prints each variant's CUDA time per kernel (``fused_profile.kernel_times``: back-to-back calls).
-``--set MOD.X=V`` sets a constant of ``launch``, ``rpb_grad`` or a kernel module (``hopper.PERSISTENT_MASKED=True``)
+``--set MOD.X=V`` sets a constant of ``decide``, ``launch``, ``rpb_grad`` or a kernel module (``hopper.PERSISTENT_MASKED=True``)
 for variants named ``NAME@set``, whose path may be ``base``, the checked-out source (``pm@set=hopper:base``);
 ``--force NAME:fwd=64,64,4,2,1,128`` pins variant NAME's kernel to an ``autotune.Config`` (MAXNREG 0: none)."""
 import argparse
@@ -21,7 +21,7 @@ import sys
 import torch
 
 from ops import bench
-from ops.fused import autotune, launch, rpb_grad
+from ops.fused import autotune, decide, launch, rpb_grad
 
 
 MODULES = ("kernels", "hopper", "hopper_dq", "hopper_dkdv")  # the launcher's kernel modules a variant may replace
@@ -75,7 +75,7 @@ def main():
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     q, k, v, rpb = p.random_inputs(args.device, dtype, gen, requires_grad=args.backward)
     d_out = torch.randn_like(q) if args.backward else None
-    modules = {"launch": launch, "rpb_grad": rpb_grad, **base}
+    modules = {"decide": decide, "launch": launch, "rpb_grad": rpb_grad, **base}
 
     def activate(name):
         variant, sets = mods[name]
@@ -86,8 +86,7 @@ def main():
         for key, value in sets.items():
             m, attr = key.split(".")
             setattr(modules[m], attr, value)
-        launch._FORWARD.clear()
-        launch._BACKWARD.clear()
+        decide._PLANS.clear()
 
     def deactivate(name):
         autotune._forced.clear()

@@ -16,7 +16,7 @@ round and a median over the rounds at the end; rounds that alternate, each start
 clock drift and the place in a round out of the A/B.
 ``--keep-best`` writes each kernel's fastest launch into the tuning cache for this problem.
 ``--bwd-host-desc`` times every TMA variant of dQ and dK/dV twice: with descriptors built by each program
-(``launch.BACKWARD_HOST_DESCRIPTORS`` off, as ``name``) and on the host (on, the default, as ``name+host``), from
+(``decide.BACKWARD_HOST_DESCRIPTORS`` off, as ``name``) and on the host (on, the default, as ``name+host``), from
 two captures of the problem.
 """
 import argparse
@@ -27,7 +27,7 @@ import statistics
 import torch
 
 from ops.bench import round_order, standard_problems
-from ops.fused import autotune, launch as fused_launch
+from ops.fused import autotune, decide
 
 
 def parse_variant(text: str):
@@ -44,21 +44,21 @@ def parse_variant(text: str):
 def capture_runs(p):
     """One fused forward+backward of problem ``p``; returns {kernel: (run, picked launch)}."""
     runs = {}
-    original = autotune.pick
+    original = decide.tile_config
 
-    def recording_pick(kernel, q, k, v, params, has_rpb, run, tunable=True, tma=False, host_descriptors=False):
-        launch = original(kernel, q, k, v, params, has_rpb, run, tunable, tma, host_descriptors)
+    def recording_pick(kernel, q, k, v, params, has_rpb, run=None, *args, **kwargs):
+        launch, source = original(kernel, q, k, v, params, has_rpb, run, *args, **kwargs)
         if run is not None:
             runs[kernel] = (run, launch, autotune.problem_key(kernel, q, k, v, params, has_rpb))
-        return launch
+        return launch, source
 
     q, k, v, rpb = p.random_inputs("cuda", torch.bfloat16, requires_grad=True)
-    autotune.pick = recording_pick
+    decide.tile_config = recording_pick
     try:
         out = p.attention(q, k, v, rpb, "fused")
         out.backward(torch.randn_like(out))
     finally:
-        autotune.pick = original
+        decide.tile_config = original
     torch.cuda.synchronize()
     return runs, p.params
 
@@ -75,23 +75,22 @@ def main():
                          "descriptors")
     args = ap.parse_args()
     problem = {p.name: p for p in standard_problems()}[args.problem]
-    switch = fused_launch.BACKWARD_HOST_DESCRIPTORS
+    switch = decide.BACKWARD_HOST_DESCRIPTORS
     host_runs = {}
     if args.bwd_host_desc:  # the launcher decides per problem: capture it with the switch on, the base with it off
-        fused_launch.BACKWARD_HOST_DESCRIPTORS = True
+        decide.BACKWARD_HOST_DESCRIPTORS = True
         host_runs = {kernel: runs_[0] for kernel, runs_ in capture_runs(problem)[0].items() if kernel in ("dq", "dkdv")}
-        fused_launch.BACKWARD_HOST_DESCRIPTORS = False
-        fused_launch._FORWARD.clear()
-        fused_launch._BACKWARD.clear()
+        decide.BACKWARD_HOST_DESCRIPTORS = False
+        decide._PLANS.clear()
     runs, params = capture_runs(problem)
-    fused_launch.BACKWARD_HOST_DESCRIPTORS = switch
+    decide.BACKWARD_HOST_DESCRIPTORS = switch
     extra = [parse_variant(v) for v in args.variant]
     table = {}
     for kernel in args.kernels.split(","):
         run, current, key = runs[kernel]
         cfg = autotune.Config(math.prod(current.outer_tile), math.prod(current.inner_tile), current.num_warps,
                               current.num_stages, current.tma)
-        variants = {"current": current, "model": autotune.resolve(cfg, params, kernel)}
+        variants = {"current": current, "model": decide.resolve(cfg, params, kernel)}
         for i, (k, launch) in enumerate(extra):
             if k == kernel:
                 variants[f"v{i}"] = launch

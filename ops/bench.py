@@ -512,10 +512,14 @@ def main(argv=None):
 
 
 def _fused_choices() -> dict:
-    """The fused backend's configuration per (kernel, problem) chosen so far in this process."""
-    from .fused import autotune
+    """The fused backend's tile configuration per kernel and plan decided so far in this process."""
+    from .fused import decide
 
-    return {key: asdict(launch) for key, launch in autotune._memo.items()}
+    choices = {}
+    for key, plan in decide._PLANS.items():
+        configs = {"fwd": plan.config} if key[0] == "forward" else {"dq": plan.dq_config, "dkdv": plan.dkdv_config}
+        choices.update({(kernel, *key[1:]): asdict(config) for kernel, config in configs.items() if config})
+    return choices
 
 
 def write_results(prefix: str, env: dict, rows: list[Row]) -> None:

@@ -16,7 +16,7 @@ from triton.runtime.interpreter import InterpretedFunction
 import namodels  # noqa: F401  (registers the models)
 from namodels.models import block as block_def
 from namodels.models import layers, stage_casts, tape
-from ops.fused import launch as fused_launch
+from ops.fused import decide as fused_decide
 from ops.layer_norm import LayerNorm as FastLayerNorm
 
 B, H, W, C = 2, 7, 8, 32
@@ -435,8 +435,8 @@ def test_two_forwards_before_one_backward_keep_their_own_casts(block_calls):
 
 
 def _host_descriptor_plans() -> set:
-    forward = {plan.host_desc_layouts is not None for plan in fused_launch._FORWARD.values()}
-    backward = {chunks[0][0].meta["HOST_DESC"] for plan in fused_launch._BACKWARD.values()
+    forward = {plan.host_desc_layouts is not None for plan in fused_decide.plans("forward")}
+    backward = {chunks[0][0].meta["HOST_DESC"] for plan in fused_decide.plans("backward")
                 for chunks in (plan.dq_launches, plan.dkdv_launches)}
     return forward | backward
 
@@ -446,8 +446,7 @@ def test_training_launches_build_no_host_descriptors(monkeypatch):
     NA calls on the same problem use them (Triton's interpreter takes them like a Hopper GPU)."""
     block = _block(dilation=1)
     x = torch.randn(B, H, W, C)
-    monkeypatch.setattr(fused_launch, "_FORWARD", {})
-    monkeypatch.setattr(fused_launch, "_BACKWARD", {})
+    monkeypatch.setattr(fused_decide, "_PLANS", {})
     _step(block, x, autocast=True)
     assert _host_descriptor_plans() == {False}
     monkeypatch.setattr(tape, "ENABLED", False)

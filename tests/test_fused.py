@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 import ops  # noqa: E402
 from ops.backends import Problem  # noqa: E402
-from ops.fused import BACKEND, autotune, launch  # noqa: E402
+from ops.fused import BACKEND, autotune, decide, launch  # noqa: E402
 from ops.fused.autotune import Config  # noqa: E402
 from ops.window import NAParams  # noqa: E402
 from tests.oracle import RandomProblem, oracle_attention, random_problem  # noqa: E402
@@ -45,11 +45,9 @@ TMA_DTYPE = torch.float32 if INTERPRETED else torch.bfloat16
 def fresh_launch_plans():
     """Each test starts without cached launch plans, so its first call of a problem takes the full
     path (tile choice, int64 decision) under whatever the test patched."""
-    for plans in (launch._FORWARD, launch._BACKWARD):
-        plans.clear()
+    decide._PLANS.clear()
     yield
-    for plans in (launch._FORWARD, launch._BACKWARD):
-        plans.clear()
+    decide._PLANS.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -139,10 +137,10 @@ TILED_SLOW = [
 
 def _assert_tma_used(expected: bool):
     """Every cached forward / backward launch took (or skipped) the TMA loads."""
-    assert launch._FORWARD and launch._BACKWARD
-    assert all(plan.launch.meta["TMA"] == expected for plan in launch._FORWARD.values())
+    assert decide.plans("forward") and decide.plans("backward")
+    assert all(plan.launch.meta["TMA"] == expected for plan in decide.plans("forward"))
     assert all(plan.dq.meta["TMA"] == expected and plan.dkdv.meta["TMA"] == expected
-               for plan in launch._BACKWARD.values())
+               for plan in decide.plans("backward"))
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma-loads"])
@@ -153,12 +151,12 @@ def test_small_tiles_forward_backward(p, tma, query_rows, monkeypatch):
     """Both ways of loading the looped-over tiles: pointer tensors, and TMA descriptors per dilation
     group (whose out-of-bounds zero fill replaces the masks; GQA heads as the descriptor's first axis);
     and both matmul orientations of dK/dV (keys or queries as the rows)."""
-    monkeypatch.setattr(launch, "DKDV_QUERY_ROWS_FROM", 1 if query_rows else 1 << 30)
+    monkeypatch.setattr(decide, "DKDV_QUERY_ROWS_FROM", 1 if query_rows else 1 << 30)
     small = Config(16, 16, 4, 1, tma)
     with autotune.forced(fwd=small, dq=small, dkdv=small, drpb=Config(16, 1, 4, 1)):
         _run(p, torch.float32, grads=True, seed=5)
     _assert_tma_used(tma and INTERPRETED)  # compiled, float32 takes pointer loads (TMA is for 16-bit inputs)
-    assert all(plan.dkdv.meta["QUERY_ROWS"] == query_rows for plan in launch._BACKWARD.values())
+    assert all(plan.dkdv.meta["QUERY_ROWS"] == query_rows for plan in decide.plans("backward"))
 
 
 # RPB problems with several boxes per program: masked and unmasked boxes, dilation groups of two lengths, GQA, 3-D.
@@ -177,12 +175,12 @@ def test_rpb_from_bias_tiles_and_by_gather(p, bias_tiles, query_rows, monkeypatc
     """RPB enters the scores either as precomputed per-box tiles that also carry the window mask (``BIAS_TILES``,
     forward, dQ and both dK/dV orientations) or gathered per element; both match the oracle, forward and backward,
     and the plans record which path they took."""
-    monkeypatch.setattr(launch, "BIAS_TILES", bias_tiles)
-    monkeypatch.setattr(launch, "DKDV_QUERY_ROWS_FROM", 1 if query_rows else 1 << 30)
+    monkeypatch.setattr(decide, "BIAS_TILES", bias_tiles)
+    monkeypatch.setattr(decide, "DKDV_QUERY_ROWS_FROM", 1 if query_rows else 1 << 30)
     small = Config(16, 16, 4, 1)
     with autotune.forced(fwd=small, dq=small, dkdv=small):
         _run(p, torch.float32, grads=True, seed=2)
-    forward_plans, backward_plans = list(launch._FORWARD.values()), list(launch._BACKWARD.values())
+    forward_plans, backward_plans = list(decide.plans("forward")), list(decide.plans("backward"))
     assert forward_plans and backward_plans
     for plan in forward_plans:
         assert plan.launch.meta["BIAS_TILES"] == bias_tiles == (plan.bias_tiles is not None)
@@ -200,14 +198,13 @@ def test_bias_tiles_capped_by_size(monkeypatch):
     small, large = Config(16, 16, 4, 1), Config(32, 32, 4, 1)
     with autotune.forced(fwd=small, dq=large, dkdv=large):
         _run(p, torch.float32, grads=True, seed=4)
-        (forward_plan,), (backward_plan,) = launch._FORWARD.values(), launch._BACKWARD.values()
+        (forward_plan,), (backward_plan,) = decide.plans("forward"), decide.plans("backward")
         forward_size = forward_plan.bias_tiles[1]
         assert backward_plan.dq_bias_tiles[1] > forward_size and backward_plan.dkdv_bias_tiles[1] > forward_size
-        for plans in (launch._FORWARD, launch._BACKWARD):
-            plans.clear()
-        monkeypatch.setattr(launch, "BIAS_TILE_ELEMENTS", forward_size)
+        decide._PLANS.clear()
+        monkeypatch.setattr(decide, "BIAS_TILE_ELEMENTS", forward_size)
         _run(p, torch.float32, grads=True, seed=4)
-    (forward_plan,), (backward_plan,) = launch._FORWARD.values(), launch._BACKWARD.values()
+    (forward_plan,), (backward_plan,) = decide.plans("forward"), decide.plans("backward")
     assert forward_plan.launch.meta["BIAS_TILES"] and forward_plan.bias_tiles is not None
     assert not backward_plan.dq.meta["BIAS_TILES"] and not backward_plan.dkdv.meta["BIAS_TILES"]
     assert backward_plan.dq_bias_tiles is None and backward_plan.dkdv_bias_tiles is None
@@ -225,7 +222,7 @@ def test_bias_tiles_of_16_bit_inputs_saturate():
     rpb = rpb.detach().float()
     rpb[:, 2, 2] = 1e6  # offset (0, 0): the query's own key
     out = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), rpb=rpb, backend="fused")
-    plan, = launch._FORWARD.values()
+    plan, = decide.plans("forward")
     assert plan.bias_tiles[2] == torch.float16
     assert torch.isfinite(out).all()
     assert torch.equal(out.cpu(), v.cpu())
@@ -285,9 +282,9 @@ def test_forward_kv_descriptors_built_on_the_host(p, host):
     which rebuilds the host descriptors for the new tensors."""
     tma = Config(16, 16, 4, 1, True)
     with autotune.forced(fwd=tma, dq=tma, dkdv=tma):
-        for seed in (0, 1):  # the second call of the problem goes through launch._FORWARD
+        for seed in (0, 1):  # the second call of the problem goes through decide._PLANS
             _run(p, TMA_DTYPE, seed=seed)
-    plans = list(launch._FORWARD.values())
+    plans = list(decide.plans("forward"))
     assert len(plans) == 1 and plans[0].launch.meta["TMA"]  # bfloat16 on the GPU, any dtype interpreted
     assert plans[0].launch.meta["HOST_DESC"] == host
     assert (plans[0].host_desc_layouts is not None) == host
@@ -300,13 +297,13 @@ def test_backward_descriptors_built_on_the_host(p, host, query_rows, monkeypatch
     matmul rows, its own K/V tile) through descriptors built on the host where the layout allows it (the forward's
     rule), through per-program ones otherwise; gradients match the oracle on the first call and through the
     backward plan, which rebuilds the descriptors for the new tensors."""
-    monkeypatch.setattr(launch, "BACKWARD_HOST_DESCRIPTORS", True)
-    monkeypatch.setattr(launch, "DKDV_QUERY_ROWS_FROM", 1 if query_rows else 1 << 30)
+    monkeypatch.setattr(decide, "BACKWARD_HOST_DESCRIPTORS", True)
+    monkeypatch.setattr(decide, "DKDV_QUERY_ROWS_FROM", 1 if query_rows else 1 << 30)
     tma = Config(16, 16, 4, 1, True)
     with autotune.forced(fwd=tma, dq=tma, dkdv=tma):
-        for seed in (0, 1):  # the second call of the problem goes through launch._BACKWARD
+        for seed in (0, 1):  # the second call of the problem goes through decide._PLANS
             _run(p, TMA_DTYPE, grads=True, seed=seed)
-    plans = list(launch._BACKWARD.values())
+    plans = list(decide.plans("backward"))
     assert len(plans) == 1 and plans[0].dq.meta["TMA"] and plans[0].dkdv.meta["TMA"]
     assert plans[0].dq.meta["HOST_DESC"] == host == plans[0].dkdv.meta["HOST_DESC"]
     assert (plans[0].dq_layouts is not None) == host == (plans[0].dkdv_layouts is not None)
@@ -314,14 +311,14 @@ def test_backward_descriptors_built_on_the_host(p, host, query_rows, monkeypatch
 
 
 def test_backward_host_descriptors_follow_the_switch(monkeypatch):
-    """The backward's host-built descriptors are on by default (``launch.BACKWARD_HOST_DESCRIPTORS``, faster on
+    """The backward's host-built descriptors are on by default (``decide.BACKWARD_HOST_DESCRIPTORS``, faster on
     short loops); switched off, dQ and dK/dV build their descriptors per program."""
-    assert launch.BACKWARD_HOST_DESCRIPTORS
-    monkeypatch.setattr(launch, "BACKWARD_HOST_DESCRIPTORS", False)
+    assert decide.BACKWARD_HOST_DESCRIPTORS
+    monkeypatch.setattr(decide, "BACKWARD_HOST_DESCRIPTORS", False)
     tma = Config(16, 16, 4, 1, True)
     with autotune.forced(fwd=tma, dq=tma, dkdv=tma):
         _run(HOST_DESC_CASES[0][0], TMA_DTYPE, grads=True)
-    plans = list(launch._BACKWARD.values())
+    plans = list(decide.plans("backward"))
     assert plans and all(plan.dq.meta["TMA"] and not plan.dq.meta["HOST_DESC"] and not plan.dkdv.meta["HOST_DESC"]
                          and plan.dq_layouts is None and plan.dkdv_layouts is None for plan in plans)
 
@@ -342,17 +339,17 @@ def test_register_cap_reaches_the_compiler():
     capped = Config(16, 16, 1, 1, maxnreg=64)
     with autotune.forced(fwd=capped, dq=capped, dkdv=capped, drpb=Config(16, 1, 4, 1)):
         _run(_fixed((6, 9), (3, 5), d=(2, 1), rpb=True), torch.float32, grads=True)
-    assert launch._FORWARD and all(plan.launch.meta["maxnreg"] == 64 for plan in launch._FORWARD.values())
-    assert all(plan.dq.meta["maxnreg"] == 64 == plan.dkdv.meta["maxnreg"] for plan in launch._BACKWARD.values())
+    assert decide.plans("forward") and all(plan.launch.meta["maxnreg"] == 64 for plan in decide.plans("forward"))
+    assert all(plan.dq.meta["maxnreg"] == 64 == plan.dkdv.meta["maxnreg"] for plan in decide.plans("backward"))
 
 
 def test_int64_index_path(monkeypatch):
     """The kernels' int64 token-offset variant (used past 2**31 elements per batch element)."""
-    monkeypatch.setattr(launch, "needs_int64", lambda *tensors: True)
+    monkeypatch.setattr(decide, "needs_int64", lambda *tensors: True)
     _run(_fixed((6, 9), (3, 5), d=(2, 1), rpb=True), torch.float32, grads=True)
-    assert launch._FORWARD and all(plan.launch.meta["IDX64"] for plan in launch._FORWARD.values())
-    assert launch._BACKWARD and all(plan.dq.meta["IDX64"] and plan.dkdv.meta["IDX64"]
-                                    for plan in launch._BACKWARD.values())
+    assert decide.plans("forward") and all(plan.launch.meta["IDX64"] for plan in decide.plans("forward"))
+    assert decide.plans("backward") and all(plan.dq.meta["IDX64"] and plan.dkdv.meta["IDX64"]
+                                    for plan in decide.plans("backward"))
 
 
 def _record_drpb_paths(monkeypatch) -> list:
@@ -361,7 +358,7 @@ def _record_drpb_paths(monkeypatch) -> list:
     from ops.fused import rpb_grad
 
     paths = []
-    for module, name in ((rpb_grad, "reduce_tile_ds"), (rpb_grad, "reduce_window_ds"), (launch, "_drpb_launch")):
+    for module, name in ((rpb_grad, "reduce_tile_ds"), (rpb_grad, "reduce_window_ds"), (decide, "_drpb_launch")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: paths.append(_name) or
                             _real(*a, **kw))
@@ -377,16 +374,16 @@ def test_batch_chunks_and_drpb_modes(monkeypatch, mode):
     is off).  Every mode against the oracle."""
     from ops.fused import op, rpb_grad
 
-    monkeypatch.setattr(launch, "MAX_GRID_Y", 4)  # 2 heads: two batch elements per launch
+    monkeypatch.setattr(decide, "MAX_GRID_Y", 4)  # 2 heads: two batch elements per launch
     paths = _record_drpb_paths(monkeypatch)
     deterministic = mode in ("window-stored", "partial-rows")
     monkeypatch.setattr(op, "DRPB_DETERMINISTIC_DEFAULT", deterministic)
     if not mode.startswith("window"):
         monkeypatch.setattr(rpb_grad, "WINDOW_BUFFER_BYTES", 0)
     if mode == "atomic":
-        monkeypatch.setattr(launch, "DRPB_PARTIAL_BYTES", 0)
+        monkeypatch.setattr(decide, "DRPB_PARTIAL_BYTES", 0)
     if mode in ("window-atomic", "atomic"):  # bias tiles would take the tile-layout path
-        monkeypatch.setattr(launch, "BIAS_TILES", False)
+        monkeypatch.setattr(decide, "BIAS_TILES", False)
     _run(_fixed((6, 7), (3, 5), rpb=True, heads=2, heads_kv=1, batch=3), torch.float32, grads=True)
     expected = {"tiles": "reduce_tile_ds", "window-atomic": "reduce_window_ds", "window-stored": "reduce_window_ds"}
     assert paths == [expected.get(mode, "_drpb_launch")]
@@ -399,7 +396,7 @@ def test_batch_chunks_and_drpb_modes(monkeypatch, mode):
 def _dq_ds_modes() -> set:
     """(STORE_DS, DS_ATOMIC, DS_BOXES) of every dQ launch plan built so far."""
     return {(plan.dq.meta["STORE_DS"], plan.dq.meta["DS_ATOMIC"], plan.dq.meta["DS_BOXES"])
-            for plan in launch._BACKWARD.values()}
+            for plan in decide.plans("backward")}
 
 
 def test_drpb_reproducible_when_deterministic():
@@ -431,16 +428,16 @@ def test_drpb_reproducible_when_deterministic():
 def test_drpb_after_candidate_runs(monkeypatch):
     """The tuner runs dQ once per candidate before the chosen launch: with dS added by atomics (in tile or window
     layout), each run must start from a zeroed buffer, or dRPB sums every run (checked against the oracle)."""
-    real_pick = autotune.pick
+    real_pick = decide.tile_config
 
-    def pick_after_trials(kernel, q, k, v, params, has_rpb, run, *args, **kwargs):
-        chosen = real_pick(kernel, q, k, v, params, has_rpb, run, *args, **kwargs)
+    def pick_after_trials(kernel, q, k, v, params, has_rpb, run=None, *args, **kwargs):
+        chosen, source = real_pick(kernel, q, k, v, params, has_rpb, run, *args, **kwargs)
         if run is not None:
             for _ in range(2):  # what timing candidates does
                 run(chosen)
-        return chosen
+        return chosen, source
 
-    monkeypatch.setattr(autotune, "pick", pick_after_trials)
+    monkeypatch.setattr(decide, "tile_config", pick_after_trials)
     _run(_fixed((6, 7), (3, 5), rpb=True, heads=2, batch=2), torch.float32, grads=True)
 
 
@@ -468,7 +465,7 @@ def test_half_precision(dtype, tma):
     _assert_tma_used(tma)
     # the interpreter runs bfloat16 through float32 copies (``launch._tokens``), which the plans record
     widened = INTERPRETED and dtype == torch.bfloat16
-    assert all(plan.as_tokens == widened for plans in (launch._FORWARD, launch._BACKWARD) for plan in plans.values())
+    assert all(plan.as_tokens == widened for plan in decide._PLANS.values())
 
 
 @pytest.mark.parametrize("p", [_fixed((40,), 21, dim=16, heads=2, heads_kv=2), _fixed((9, 11), (5, 7), rpb=True)],
@@ -499,14 +496,13 @@ def test_forward_large_logits(p):
                          ids=["select-masks", "mask-in-dot"])
 def test_mask_paths(monkeypatch, mask_in_dot):
     """Both ways every kernel masks a key box (a select per partial axis, or the window mask as the score matmul's
-    initial value, ``launch.MASK_IN_DOT_FROM``), outputs and gradients against the oracle on boxes partial on one to
+    initial value, ``decide.MASK_IN_DOT_FROM``), outputs and gradients against the oracle on boxes partial on one to
     three axes: 1-D / 2-D / 3-D, causal, stride, dilation, GQA, RPB (whose forward keeps the selects), odd sizes, and
     both dK/dV orientations (16-query tiles: keys as rows; 64-query tiles: queries as rows).  RPB without bias tiles,
     which carry the mask themselves (``test_rpb_from_bias_tiles_and_by_gather``)."""
-    monkeypatch.setattr(launch, "MASK_IN_DOT_FROM", 0.0 if mask_in_dot else float("inf"))
-    monkeypatch.setattr(launch, "BIAS_TILES", False)
-    launch._FORWARD.clear()
-    launch._BACKWARD.clear()
+    monkeypatch.setattr(decide, "MASK_IN_DOT_FROM", 0.0 if mask_in_dot else float("inf"))
+    monkeypatch.setattr(decide, "BIAS_TILES", False)
+    decide._PLANS.clear()
     small = Config(16, 16, 4, 1)
     with autotune.forced(fwd=small, dq=small, dkdv=small):
         _run(_fixed((5, 7, 9), (3, 5, 3), s=(1, 2, 1), d=(1, 1, 2), c=(True, False, False)), torch.float32, grads=True)
@@ -515,12 +511,12 @@ def test_mask_paths(monkeypatch, mask_in_dot):
         _run(_fixed((37,), (7,), s=(3,), c=(True,)), torch.float32, grads=True)
     with autotune.forced(fwd=small, dq=small, dkdv=Config(16, 64, 4, 1)):
         _run(_fixed((6, 6, 10), (5, 3, 7), heads=4, heads_kv=2, batch=2), torch.float32, grads=True)
-    forward = {plan.launch.meta["MASK_IN_DOT"] for plan in launch._FORWARD.values() if not plan.launch.meta["HAS_RPB"]}
-    backward = {plan.dq.meta["MASK_IN_DOT"] for plan in launch._BACKWARD.values()}
-    backward |= {plan.dkdv.meta["MASK_IN_DOT"] for plan in launch._BACKWARD.values()}
-    rows = {plan.dkdv.meta["QUERY_ROWS"] for plan in launch._BACKWARD.values()}
+    forward = {plan.launch.meta["MASK_IN_DOT"] for plan in decide.plans("forward") if not plan.launch.meta["HAS_RPB"]}
+    backward = {plan.dq.meta["MASK_IN_DOT"] for plan in decide.plans("backward")}
+    backward |= {plan.dkdv.meta["MASK_IN_DOT"] for plan in decide.plans("backward")}
+    rows = {plan.dkdv.meta["QUERY_ROWS"] for plan in decide.plans("backward")}
     assert forward == backward == {mask_in_dot} and rows == {False, True}
-    assert len(launch._BACKWARD) == 5
+    assert len(decide.plans("backward")) == 5
 
 
 def test_inference_without_lse_skips_its_store():
@@ -530,17 +526,17 @@ def test_inference_without_lse_skips_its_store():
     p = _fixed((7, 9), (3, 5), rpb=True, heads=2, heads_kv=1)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     q, k, v, rpb = p.tensors(dtype=torch.float32, device=DEVICE, generator=gen)
-    launch._FORWARD.clear()
+    decide._PLANS.clear()
     ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial,
                                         p.kernel_size, p.stride, p.dilation, p.causal, rpb=rpb.double().cpu())
     with torch.no_grad():
         for call in range(2):  # the first call builds the plan, the second takes it
             out = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), rpb=rpb, backend="fused")
             assert _rel_err(out, ref_out) < TOL[torch.float32], call
-        assert [plan.launch.meta["STORE_LSE"] for plan in launch._FORWARD.values()] == [False]
+        assert [plan.launch.meta["STORE_LSE"] for plan in decide.plans("forward")] == [False]
         out, lse = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), rpb=rpb, return_lse=True, backend="fused")
     assert _rel_err(out, ref_out) < TOL[torch.float32] and _rel_err(lse, ref_lse) < TOL[torch.float32]
-    assert sorted(plan.launch.meta["STORE_LSE"] for plan in launch._FORWARD.values()) == [False, True]
+    assert sorted(plan.launch.meta["STORE_LSE"] for plan in decide.plans("forward")) == [False, True]
 
 
 def test_additional_keys_merge_through_lse():
@@ -622,7 +618,7 @@ def test_repeated_calls_run_from_the_plans(dtype):
                                             rpb=ref_in[1])
         assert _rel_err(out, ref_out) < TOL[dtype] and _rel_err(lse, ref_lse) < TOL[dtype]
         assert out.shape == (2, *spatial, heads, dim) and out.is_contiguous()
-        assert len(launch._FORWARD) == 1, "the first call should have left a plan"
+        assert len(decide.plans("forward")) == 1, "the first call should have left a plan"
         # dense d_out and d_lse (an expanded gradient, as .sum() gives, is another layout: a plan of its own)
         weight = torch.randn(out.shape, dtype=dtype, device=DEVICE, generator=gen)
         lse_weight = torch.randn(lse.shape, device=DEVICE, generator=gen)
@@ -631,7 +627,7 @@ def test_repeated_calls_run_from_the_plans(dtype):
                                   ref_in)
         for g, r in zip(got, ref):
             assert _rel_err(g, r) < 4 * TOL[dtype]
-        assert len(launch._BACKWARD) == 1, "the first backward should have left a plan"
+        assert len(decide.plans("backward")) == 1, "the first backward should have left a plan"
 
 
 @pytest.mark.parametrize("scale", [0.7, -0.5, 0.0])
@@ -760,7 +756,7 @@ def cache_problem(tmp_path, monkeypatch):
     path = tmp_path / "tune.json"
     monkeypatch.setenv("NAMODELS_FUSED_CACHE", str(path))
     monkeypatch.setattr(autotune, "_cache", None)
-    monkeypatch.setattr(autotune, "_memo", {})
+    monkeypatch.setattr(decide, "_PLANS", {})
     q, k, v, _ = _fixed((20,), 5).tensors(dtype=torch.float32, device=DEVICE)
     params = NAParams((20,), (5,), (1,), (1,), (False,))
     return path, q, k, v, params, autotune.problem_key("fwd", q, k, v, params, False)
@@ -770,7 +766,7 @@ def test_autotune_cache_roundtrip(cache_problem, monkeypatch):
     _, q, k, v, params, key = cache_problem
     autotune._store(key, _CACHED_ENTRY)
     monkeypatch.setattr(autotune, "_cache", None)  # force a reload from disk
-    assert autotune.pick("fwd", q, k, v, params, False, run=None) == _CACHED_CONFIG
+    assert decide.tile_config("fwd", q, k, v, params, False)[0] == _CACHED_CONFIG
     out = ops.na1d(q, k, v, 5, backend="fused")  # runs with the cached (unusual) tiles
     ref, _ = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), (20,), (5,), (1,), (1,),
                               (False,))
@@ -783,12 +779,12 @@ def test_autotune_cache_ignores_entries_of_other_code(cache_problem, monkeypatch
     path, q, k, v, params, key = cache_problem
     assert key.endswith(f"|v{autotune.CODE_VERSION}")
     path.write_text(json.dumps({key.replace(autotune.CODE_VERSION, "0" * 12): _CACHED_ENTRY}))
-    default = autotune.pick("fwd", q, k, v, params, False, run=None)
-    assert default == autotune._default_resolved("fwd", params, 16) != _CACHED_CONFIG
+    default = decide.tile_config("fwd", q, k, v, params, False)[0]
+    assert default == decide._default_resolved("fwd", params, 16) != _CACHED_CONFIG
     monkeypatch.setattr(autotune, "_cache", None)
-    monkeypatch.setattr(autotune, "_memo", {})
+    monkeypatch.setattr(decide, "_PLANS", {})
     autotune._store(key, _CACHED_ENTRY)
-    assert autotune.pick("fwd", q, k, v, params, False, run=None) == _CACHED_CONFIG
+    assert decide.tile_config("fwd", q, k, v, params, False)[0] == _CACHED_CONFIG
 
 
 def test_tma_launch_installs_a_scratch_allocator_in_its_thread():
@@ -822,11 +818,11 @@ def test_default_tma_only_for_long_loops():
     small = NAParams((56, 56), (7, 7), (1, 1), (1, 1), (False, False))
     large = NAParams((256, 256), (80, 80), (1, 1), (1, 1), (False, False))
     for kernel in ("fwd", "dq", "dkdv"):
-        assert autotune.default_config(kernel, 128).tma
-        assert not autotune._default_resolved(kernel, small, 128).tma
-        assert autotune._default_resolved(kernel, small, 128, host_descriptors=True).tma
-        assert autotune._default_resolved(kernel, large, 128).tma
-        assert not autotune._default_resolved(kernel, large, 32).tma  # head dim 32: pointer loads
+        assert decide.default_config(kernel, 128).tma
+        assert not decide._default_resolved(kernel, small, 128).tma
+        assert decide._default_resolved(kernel, small, 128, host_descriptors=True).tma
+        assert decide._default_resolved(kernel, large, 128).tma
+        assert not decide._default_resolved(kernel, large, 32).tma  # head dim 32: pointer loads
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -836,7 +832,7 @@ def test_forward_default_keeps_tma_only_with_host_descriptors(monkeypatch, packe
     values whose heads are not packed (a slice of a wider tensor) build them per program, so the short loop keeps
     pointer loads.  (autotune used to guess from the dilation alone.)  float16 on a GPU (``TMA_DTYPE``'s rule, with
     its tighter tolerance)."""
-    monkeypatch.setattr(autotune, "_memo", {})
+    monkeypatch.setattr(decide, "_PLANS", {})
     monkeypatch.setattr(autotune, "_cache", {})
     dtype = torch.float32 if INTERPRETED else torch.float16
     params = NAParams((6, 6), (3, 3), (1, 1), (1, 1), (False, False))
@@ -848,9 +844,9 @@ def test_forward_default_keeps_tma_only_with_host_descriptors(monkeypatch, packe
     ref, _ = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), (6, 6), (3, 3), (1, 1), (1, 1),
                               (False, False))
     assert _rel_err(out, ref) < TOL[dtype]
-    (memo_key, launch), = [(key, got) for key, got in autotune._memo.items() if key[0] == "fwd"]
-    assert memo_key[-1] == packed  # host descriptors
-    assert autotune.window_regime(params) == "small" and launch.tma == packed
+    (plan,) = decide.plans("forward")
+    assert plan.choices.host_desc == packed  # host descriptors
+    assert decide.window_regime(params) == "small" and plan.config.tma == packed
 
 
 def test_head_dim_32_defaults_follow_the_window_regime():
@@ -860,19 +856,19 @@ def test_head_dim_32_defaults_follow_the_window_regime():
     nat = NAParams((56, 56), (7, 7), (1, 1), (1, 1), (False, False))
     dinat = NAParams((56, 56), (7, 7), (1, 1), (8, 8), (False, False))
     large = NAParams((64, 64), (13, 13), (1, 1), (1, 1), (False, False))
-    assert [autotune.window_regime(p) for p in (nat, dinat, large)] == ["small", "dense-group", "large"]
-    fwd = autotune._default_resolved("fwd", nat, 32, host_descriptors=True)
+    assert [decide.window_regime(p) for p in (nat, dinat, large)] == ["small", "dense-group", "large"]
+    fwd = decide._default_resolved("fwd", nat, 32, host_descriptors=True)
     assert (fwd.outer_tile, fwd.inner_tile, fwd.num_warps, fwd.tma) == ((1, 2, 8), (1, 4, 16), 1, True)
     for kernel in ("dq", "dkdv"):  # TMA only where the backward builds its descriptors on the host
-        config = autotune._default_resolved(kernel, nat, 32)
+        config = decide._default_resolved(kernel, nat, 32)
         assert math.prod(config.outer_tile) == 16 and config.num_warps == 1 and not config.tma
-        with_host = autotune._default_resolved(kernel, nat, 32, host_descriptors=True)
+        with_host = decide._default_resolved(kernel, nat, 32, host_descriptors=True)
         assert with_host == dataclasses.replace(config, tma=True)
-    dense = autotune._default_resolved("fwd", dinat, 32)
+    dense = decide._default_resolved("fwd", dinat, 32)
     assert (dense.outer_tile, dense.inner_tile, dense.num_warps) == ((1, 8, 8), (1, 8, 8), 4)
     for params in (large, nat):
-        assert autotune.default_config("fwd", 32, params if params is large else None) == autotune.DEFAULTS["fwd"][0][1]
-    assert autotune.default_config("fwd", 64, nat) == autotune.default_config("fwd", 64)
+        assert decide.default_config("fwd", 32, params if params is large else None) == decide.DEFAULTS["fwd"][0][1]
+    assert decide.default_config("fwd", 64, nat) == decide.default_config("fwd", 64)
 
 
 @pytest.mark.parametrize("tma", [False, True])
@@ -884,7 +880,7 @@ def test_tuner_tries_tma_candidates_only_where_allowed(monkeypatch, tma):
     monkeypatch.setattr(autotune, "_store", lambda key, entry: None)
     params = NAParams((64,), (9,), (1,), (1,), (False,))
     q = torch.zeros(1, 64, 1, 32)
-    best = autotune._tune("fwd", q, params, run=timed.append, key="k", tma=tma)
+    best = autotune.tune("k", decide.tuner_candidates("fwd", q, params, tma), timed.append)
     assert best is not None
     assert any(launch.tma for launch in timed) == tma
     assert any(not launch.tma for launch in timed)
@@ -929,8 +925,7 @@ def test_gpu_tma_loads(dtype, seed):
     pad to the descriptor box) with 64- and 128-row tiles; float32 must fall back to pointer loads."""
     rng = random.Random(2000 + seed)
     for rank in (1, 2, 3):
-        launch._FORWARD.clear()
-        launch._BACKWARD.clear()
+        decide._PLANS.clear()
         p = random_problem(rng, rank=rank, max_tokens=600, max_dim=128)
         p.dim, p.dim_v = max(p.dim, 8) // 8 * 8, max(p.dim_v, 8) // 8 * 8  # 16-byte token strides
         cfg = Config(64, 64, 4, 3, True) if rank != 2 else Config(128, 32, 8, 2, True)
@@ -953,8 +948,7 @@ def test_gpu_small_window_tiles(warps):
     small = Config(16, 64, warps, 2)
     dkdv = Config(16, 32 * warps, warps, 2)
     for rank in (1, 2, 3):
-        launch._FORWARD.clear()
-        launch._BACKWARD.clear()
+        decide._PLANS.clear()
         p = random_problem(rng, rank=rank, max_tokens=400, max_dim=64)
         p.dim = max(p.dim, 8)
         with autotune.forced(fwd=small, dq=small, dkdv=dkdv):
@@ -967,11 +961,11 @@ def test_gpu_small_window_tiles(warps):
 def test_gpu_small_window_defaults_use_host_descriptors(rpb, monkeypatch):
     """NAT's small windows on the default tiles (no cache, no tuning): one-warp 16-query tiles whose forward, dQ and
     dK/dV read through TMA descriptors built on the host, with GQA and RPB."""
-    monkeypatch.setattr(autotune, "_memo", {})
+    monkeypatch.setattr(decide, "_PLANS", {})
     monkeypatch.setattr(autotune, "_cache", {})
     _run(_fixed((20, 24), (7, 7), rpb=rpb, heads=4, heads_kv=2, dim=32, dim_v=32, batch=2), torch.bfloat16,
          grads=True)
-    (fwd,), (bwd,) = launch._FORWARD.values(), launch._BACKWARD.values()
+    (fwd,), (bwd,) = decide.plans("forward"), decide.plans("backward")
     assert fwd.launch.meta["HOST_DESC"] and bwd.dq.meta["HOST_DESC"] and bwd.dkdv.meta["HOST_DESC"]
 
 
@@ -990,10 +984,10 @@ def test_gpu_tma_falls_back_on_misaligned_views():
         ref = ops.neighborhood_attention(2, q.float(), k.float(), v.float(), **p.kwargs(), backend="naive")
         out = ops.neighborhood_attention(2, q, k_odd, v, **p.kwargs(), backend="fused")
         assert _rel_err(out, ref) < TOL[torch.bfloat16]
-        assert [plan.launch.meta["TMA"] for plan in launch._FORWARD.values()] == [False]
+        assert [plan.launch.meta["TMA"] for plan in decide.plans("forward")] == [False]
         out = ops.neighborhood_attention(2, q, k, v, **p.kwargs(), backend="fused")
         assert _rel_err(out, ref) < TOL[torch.bfloat16]
-        assert sorted(plan.launch.meta["TMA"] for plan in launch._FORWARD.values()) == [False, True]
+        assert sorted(plan.launch.meta["TMA"] for plan in decide.plans("forward")) == [False, True]
 
 
 @pytest.mark.gpu
@@ -1024,7 +1018,7 @@ def test_gpu_planned_launches_pass_addresses_and_respect_alignment():
                 assert _rel_err(out, ref) < TOL[torch.bfloat16]
     finally:
         triton.set_allocator(previous)
-    (plan,) = launch._FORWARD.values()
+    (plan,) = decide.plans("forward")
     assert plan.launch.compiled is not None and plan.launch.pointers_only and plan.launch.all_aligned
     assert plan.launch.meta["TMA"] and not plan.launch.meta["HOST_DESC"]
     assert len(launch._SCRATCH) == 1
@@ -1037,7 +1031,7 @@ def test_gpu_autotune_small_problem(tmp_path, monkeypatch):
     tuned tiles give oracle-correct outputs and gradients (a small 2-D problem with RPB and GQA)."""
     monkeypatch.setenv("NAMODELS_FUSED_CACHE", str(tmp_path / "tune.json"))
     monkeypatch.setattr(autotune, "_cache", None)
-    monkeypatch.setattr(autotune, "_memo", {})
+    monkeypatch.setattr(decide, "_PLANS", {})
     timed = []
     real = autotune._kernel_ms
     monkeypatch.setattr(autotune, "_kernel_ms", lambda fn: timed.append(1) or real(fn))
@@ -1079,7 +1073,7 @@ def test_packed_qkv_matches_the_oracle(backend, dtype):
         for g, r in zip(got, ref):
             assert _rel_err(g, r) < 4 * tol
     if backend == "fused":
-        assert len(launch._FORWARD) == 1 and len(launch._BACKWARD) == 1
+        assert len(decide.plans("forward")) == 1 and len(decide.plans("backward")) == 1
 
 
 def test_packed_qkv_needs_three_slices():
@@ -1149,7 +1143,7 @@ def test_every_planned_launch_names_all_its_constexprs():
     import inspect
 
     _run(_fixed((6, 7), (3, 5), rpb=True, heads=2, batch=2), torch.float32, grads=True)
-    plans = list(launch._FORWARD.values()) + list(launch._BACKWARD.values())
+    plans = list(decide.plans("forward")) + list(decide.plans("backward"))
     launches = [item for plan in plans for item in _plan_launches(plan)]
     kernels_seen = {item.kernel for item in launches}
     assert {launch.kernels.na_bias_tiles_kernel, launch.kernels.na_bias_tiles_inverse_kernel,

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # must precede the first import of triton cod
 pytest.importorskip("triton")
 
 import ops  # noqa: E402
-from ops.fused import Explanation, autotune, explain, launch, rpb_grad  # noqa: E402
+from ops.fused import Explanation, autotune, decide, explain, launch, rpb_grad  # noqa: E402
 from ops.fused.autotune import Config  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -29,23 +29,25 @@ NA = {1: ops.na1d, 2: ops.na2d, 3: ops.na3d}
 
 @pytest.fixture
 def fresh_plans(monkeypatch):
-    """Empty plan caches and memo, and a list of the plans the launcher builds from here on."""
-    monkeypatch.setattr(launch, "_FORWARD", {})
-    monkeypatch.setattr(launch, "_BACKWARD", {})
-    monkeypatch.setattr(autotune, "_memo", {})
+    """An empty decision cache, and a list of the plans the launcher builds from here on."""
+    monkeypatch.setattr(decide, "_PLANS", {})
     built = {"forward": [], "backward": []}
-    plan_forward, plan_backward = launch.plan_forward, launch.plan_backward
+    decide_forward, decide_backward = decide.decide_forward, decide.decide_backward
 
     def record_forward(*args, **kwargs):
-        built["forward"].append(plan_forward(*args, **kwargs))
-        return built["forward"][-1]
+        plan = decide_forward(*args, **kwargs)
+        if not kwargs.get("dry"):  # (``explain`` decides dry, and keeps nothing)
+            built["forward"].append(plan)
+        return plan
 
     def record_backward(*args, **kwargs):
-        built["backward"].append(plan_backward(*args, **kwargs))
-        return built["backward"][-1]
+        plan = decide_backward(*args, **kwargs)
+        if not kwargs.get("dry"):
+            built["backward"].append(plan)
+        return plan
 
-    monkeypatch.setattr(launch, "plan_forward", record_forward)
-    monkeypatch.setattr(launch, "plan_backward", record_backward)
+    monkeypatch.setattr(decide, "decide_forward", record_forward)
+    monkeypatch.setattr(decide, "decide_backward", record_backward)
     return built
 
 
@@ -121,13 +123,13 @@ def test_explain_reports_what_the_launcher_launches(name, fresh_plans):
     kwargs = case.get("kwargs", {})
     explained = explain(q, k, v, case["window"], rpb=rpb, **kwargs)
     assert not explained.forward_plan_cached and not explained.backward_plan_cached
-    assert not fresh_plans["forward"] and not launch._FORWARD and not autotune._memo  # explaining builds nothing
+    assert not fresh_plans["forward"] and not decide._PLANS  # explaining builds nothing
     _run(case["rank"], q, k, v, rpb, case["window"], **kwargs)
     (forward_plan,), (backward_plan,) = fresh_plans["forward"], fresh_plans["backward"]
     _check(explained, forward_plan, backward_plan)
-    again = explain(q, k, v, case["window"], rpb=rpb, **kwargs)  # now from the memo, with the plans cached
+    again = explain(q, k, v, case["window"], rpb=rpb, **kwargs)  # now the plans the launcher keeps
     assert again.forward_plan_cached and again.backward_plan_cached
-    assert "picked earlier in this process" in again.forward.config_source
+    assert again.forward_plan is forward_plan and again.backward_plan is backward_plan
     _check(again, forward_plan, backward_plan)
     text = str(explained)
     for word in ("forward: portable kernel", "dQ: portable kernel", "dK/dV: portable kernel", "tile config:",
@@ -143,7 +145,7 @@ def test_explain_reports_what_the_launcher_launches(name, fresh_plans):
     (True, True, 0, "offset pass"),
 ])
 def test_explain_reports_each_drpb_mode(bias_tiles, deterministic, window_bytes, mode, fresh_plans, monkeypatch):
-    monkeypatch.setattr(launch, "BIAS_TILES", bias_tiles)
+    monkeypatch.setattr(decide, "BIAS_TILES", bias_tiles)
     monkeypatch.setattr(rpb_grad, "WINDOW_BUFFER_BYTES", window_bytes)
     q, k, v, rpb = _inputs(2, (6, 6), 2, 16, (3, 3), rpb=True, seed=1)
     monkeypatch.setattr("ops.fused.op.DRPB_DETERMINISTIC_DEFAULT", deterministic)

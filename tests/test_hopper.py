@@ -21,7 +21,7 @@ if not torch.cuda.is_available():  # must precede the first import of triton cod
 pytest.importorskip("triton")
 
 import ops  # noqa: E402
-from ops.fused import hopper, hopper_dkdv, hopper_dq, launch, launch_order  # noqa: E402
+from ops.fused import decide, hopper, hopper_dkdv, hopper_dq, launch, launch_order  # noqa: E402
 from ops.window import NAParams, axis_window  # noqa: E402
 from tests.oracle import RandomProblem, dense_mask_and_bias_index, oracle_attention  # noqa: E402
 
@@ -130,10 +130,10 @@ def test_dkdv_plan_and_reasons():
     bw = hopper_dkdv.build_launches(q4, k4, k4, q4, params, 0.1, (k4, k4))
     assert bw.grid == (256 * 256 // 128, 2)  # a 128-key tile per program and kv head
     assert bw.query_ranges.dtype == torch.int8  # every box inside every key's window: no mask code
-    assert hopper_dkdv.unsupported(q4, k4, k4, q4, torch.zeros(4, 159, 159), params, 0.1) is not None
-    assert hopper_dkdv.unsupported(q4, k4, k4, q4.float(), None, params, 0.1) is not None
+    assert decide.hopper_dkdv_unsupported(q4, k4, k4, q4, torch.zeros(4, 159, 159), params, 0.1) is not None
+    assert decide.hopper_dkdv_unsupported(q4, k4, k4, q4.float(), None, params, 0.1) is not None
     with hopper.disabled():
-        assert "disabled" in hopper_dkdv.unsupported(q4, k4, k4, q4, None, params, 0.1)
+        assert "disabled" in decide.hopper_dkdv_unsupported(q4, k4, k4, q4, None, params, 0.1)
 
 
 def _oracle_case(params, heads, heads_kv, dim, seed):
@@ -214,26 +214,24 @@ def test_half_box_holds_the_first_64_rows():
 def test_unsupported_names_the_reason():
     params = _params((64, 64), (33, 33))
     q4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
-    if not (torch.cuda.is_available() and hopper.sm90(torch.device("cuda"))):
-        assert "sm_90" in hopper.unsupported(q4, q4, q4, None, params, 0.1)
-    assert hopper.unsupported(q4, q4, q4, torch.zeros(2, 65, 65), params, 0.1) is not None
+    if not (torch.cuda.is_available() and decide.capability(torch.device("cuda")) == (9, 0)):
+        assert "sm_90" in decide.hopper_unsupported(q4, q4, q4, None, params, 0.1)
+    assert decide.hopper_unsupported(q4, q4, q4, torch.zeros(2, 65, 65), params, 0.1) is not None
     with hopper.disabled():
-        assert "disabled" in hopper.unsupported(q4, q4, q4, None, params, 0.1)
+        assert "disabled" in decide.hopper_unsupported(q4, q4, q4, None, params, 0.1)
 
 
 def test_the_reason_for_the_portable_kernels_is_logged(caplog):
     """Each kernel of a fused call that stays on the portable kernels says why, once, on the launcher's debug log."""
-    launch._FORWARD.clear()
-    launch._BACKWARD.clear()
+    decide._PLANS.clear()
     q = torch.randn(1, 8, 8, 2, 16, requires_grad=True)
-    with caplog.at_level("DEBUG", logger="ops.fused.launch"):
+    with caplog.at_level("DEBUG", logger="ops.fused.decide"):
         ops.na2d(q, q, q, kernel_size=3, backend="fused").sum().backward()
         ops.na2d(q, q, q, kernel_size=3, backend="fused").sum().backward()  # planned already: logged once
-    launch._FORWARD.clear()
-    launch._BACKWARD.clear()
+    decide._PLANS.clear()
     q4 = q.detach().view(1, 64, 2, 16)
-    why = hopper.unsupported(q4, q4, q4, None, _params((8, 8), (3, 3)), 0.25)  # (on a CPU: no sm_90 GPU)
-    messages = [r.getMessage() for r in caplog.records if r.name == "ops.fused.launch"]
+    why = decide.hopper_unsupported(q4, q4, q4, None, _params((8, 8), (3, 3)), 0.25)  # (on a CPU: no sm_90 GPU)
+    messages = [r.getMessage() for r in caplog.records if r.name == "ops.fused.decide"]
     for kernel in ("forward", "dQ", "dK/dV"):
         said = [m for m in messages if m.startswith(f"fused {kernel}: portable kernel; not the Hopper kernel: ")]
         assert len(said) == 1, messages
@@ -243,7 +241,7 @@ def test_the_reason_for_the_portable_kernels_is_logged(caplog):
 # --- on the GPU -------------------------------------------------------------------------------------------------
 
 def _sm90():
-    return torch.cuda.is_available() and hopper.sm90(torch.device("cuda"))
+    return torch.cuda.is_available() and decide.capability(torch.device("cuda")) == (9, 0)
 
 
 def gpu(test):
@@ -255,11 +253,9 @@ def poisoned(monkeypatch):
     """Every buffer the kernels write starts as NaN; plans start empty and end empty."""
     monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
                                                                                      device=device))
-    launch._FORWARD.clear()
-    launch._BACKWARD.clear()
+    decide._PLANS.clear()
     yield
-    launch._FORWARD.clear()
-    launch._BACKWARD.clear()
+    decide._PLANS.clear()
 
 
 @pytest.fixture(params=["planned", "shuffled"])
@@ -301,7 +297,7 @@ def _attend(p, dtype, seed, grads=False, poison_keys=None, poison_queries=None, 
         if poison_queries is not None:
             q.view(p.batch, -1, p.heads, p.dim)[:, poison_queries] = float("nan")
     out, lse = ops.neighborhood_attention(len(p.spatial), q, k, v, **p.kwargs(), return_lse=True, backend="fused")
-    plans = list(launch._FORWARD.values())
+    plans = list(decide.plans("forward"))
     assert plans and all((plan.hopper is not None) == hopper_forward for plan in plans), "not the expected forward"
     return (q, k, v), out, lse
 
@@ -338,7 +334,7 @@ def test_gpu_forward_programs_run_many_work_items(poisoned, tile_orders, monkeyp
     monkeypatch.setattr(hopper, "multiprocessors", lambda device: 3)
     p = _problem(name, dim)
     (q, k, v), out, lse = _attend(p, torch.bfloat16, seed=11)
-    plan = next(iter(launch._FORWARD.values())).hopper
+    plan = next(iter(decide.plans("forward"))).hopper
     assert plan.persistent and plan.programs > 3 * 4, "too few work items for the test"
     ref_out, ref_lse = oracle_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), p.spatial,
                                         p.kernel_size, p.stride, p.dilation, p.causal)
@@ -386,7 +382,7 @@ def _gradients(p, dtype, seed, poison_queries=None):
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     d_out = torch.randn(out.shape, dtype=out.dtype, device="cuda", generator=gen)
     got = torch.autograd.grad(out, (q, k, v), d_out)
-    plans = list(launch._BACKWARD.values())
+    plans = list(decide.plans("backward"))
     assert plans and all(plan.hopper_dkdv is not None for plan in plans), "dK/dV did not take the Hopper kernel"
     assert all(plan.hopper_dq is not None for plan in plans), "dQ did not take the Hopper kernel"
     ref_in = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
@@ -460,9 +456,9 @@ def test_dq_plan_and_reasons():
     bw = hopper_dq.build_launches(q4, k4, k4, q4, q4, params, 0.1, q4)
     assert bw.grid == (256 * 256 // hopper.ROWS, 4) and bw.scalars[-1] == 0  # a query tile per program, no mask
     assert hopper_dq.build_launches(q4, k4, k4, q4, q4, _params((256, 256), (80, 80)), 0.1, q4).scalars[-1] == 1
-    assert hopper_dq.unsupported(q4, k4, k4, q4, q4.float(), None, params, 0.1) is not None
+    assert decide.hopper_dq_unsupported(q4, k4, k4, q4, q4.float(), None, params, 0.1) is not None
     with hopper.disabled():
-        assert "disabled" in hopper_dq.unsupported(q4, k4, k4, q4, q4, None, params, 0.1)
+        assert "disabled" in decide.hopper_dq_unsupported(q4, k4, k4, q4, q4, None, params, 0.1)
 
 
 def test_step_decode_is_exact_below_max_steps():
@@ -489,23 +485,21 @@ def _ulps_around(x: torch.Tensor, ulps: int) -> list:
 
 
 def test_tiles_visiting_too_many_boxes_run_portable(monkeypatch):
-    monkeypatch.setattr(hopper, "sm90", lambda device: True)  # (on an sm_90 GPU)
-    monkeypatch.setattr(hopper.kernels, "interpreted", lambda: False)
+    monkeypatch.setattr(decide, "capability", lambda device: (9, 0))  # (on an sm_90 GPU)
     params = _params((256, 256), (80, 80), (16, 16))
     q4 = torch.zeros(1, params.num_tokens, 2, 128, dtype=torch.bfloat16)
-    assert hopper.longest_loop(params) == 50  # 80 x 80 keys in 8 x 16 boxes
-    assert hopper.longest_loop(_params((30, 48, 80), (18, 24, 24))) == 10 * 4 * 4
-    assert hopper.unsupported(q4, q4, q4, None, params, 0.1) is None
+    assert decide.longest_loop(params) == 50  # 80 x 80 keys in 8 x 16 boxes
+    assert decide.longest_loop(_params((30, 48, 80), (18, 24, 24))) == 10 * 4 * 4
+    assert decide.hopper_unsupported(q4, q4, q4, None, params, 0.1) is None
     monkeypatch.setattr(hopper, "MAX_STEPS", 50)
-    assert "50 key boxes" in hopper.unsupported(q4, q4, q4, None, params, 0.1)
+    assert "50 key boxes" in decide.hopper_unsupported(q4, q4, q4, None, params, 0.1)
 
 
 def test_dkdv_leaves_1d_to_the_portable_kernel(monkeypatch):
-    monkeypatch.setattr(hopper, "sm90", lambda device: True)  # (on an sm_90 GPU)
-    monkeypatch.setattr(hopper.kernels, "interpreted", lambda: False)
+    monkeypatch.setattr(decide, "capability", lambda device: (9, 0))  # (on an sm_90 GPU)
     params = _params((4096,), (1025,))
     q4 = torch.zeros(1, 4096, 2, 128, dtype=torch.bfloat16)
-    assert "1-D" in hopper.unsupported(q4, q4, q4, None, params, 0.1, ranks=hopper_dkdv.RANKS)
+    assert "1-D" in decide.hopper_unsupported(q4, q4, q4, None, params, 0.1, ranks=hopper_dkdv.RANKS)
 
 
 # dK/dV: with and without mask code, every problem once, each dtype and head dim
@@ -562,7 +556,7 @@ def test_gpu_dq_matches_oracle_in_1d_with_an_lse_gradient(poisoned):
     d_out = torch.randn(out.shape, dtype=out.dtype, device="cuda", generator=gen)
     d_lse = torch.randn(lse.shape, dtype=lse.dtype, device="cuda", generator=gen)
     got = torch.autograd.grad((out, lse), (q, k, v), (d_out, d_lse))
-    plans = list(launch._BACKWARD.values())
+    plans = list(decide.plans("backward"))
     assert plans and all(plan.hopper_dq is not None and plan.hopper_dkdv is None for plan in plans)
     ref_in = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
     ref_out, ref_lse = oracle_attention(*ref_in, p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)
@@ -582,7 +576,7 @@ def test_gpu_dq_nonfinite_keys_stay_in_their_windows(poisoned, tile_orders):
     gen = torch.Generator(device="cuda").manual_seed(14)
     d_out = torch.randn(out.shape, dtype=out.dtype, device="cuda", generator=gen)
     dq = torch.autograd.grad(out, q, d_out)[0].double().cpu().view(p.batch, -1, p.heads, p.dim)
-    assert all(plan.hopper_dq is not None for plan in launch._BACKWARD.values())
+    assert all(plan.hopper_dq is not None for plan in decide.plans("backward"))
     allowed = dense_mask_and_bias_index(p.spatial, p.kernel_size, p.stride, p.dilation, p.causal)[0]
     expect_nan = allowed[:, bad]  # [N]: the queries whose windows hold key ``bad``
     assert expect_nan.any() and not expect_nan.all()

@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 import ops  # noqa: E402
-from ops.fused import autotune, launch  # noqa: E402
+from ops.fused import autotune, decide, launch  # noqa: E402
 from ops.fused.autotune import Config  # noqa: E402
 from ops.gemm import operators, triton_kernels  # noqa: E402
 from tests.oracle import RandomProblem, dense_mask_and_bias_index, oracle_attention  # noqa: E402
@@ -39,11 +39,9 @@ _token_row = getattr(triton_kernels, "_token_row", None)
 @pytest.fixture(autouse=True)
 def fresh_fused_plans():
     """Every test plans its problems afresh (plans built under what the test patched)."""
-    for plans in (launch._FORWARD, launch._BACKWARD):
-        plans.clear()
+    decide._PLANS.clear()
     yield
-    for plans in (launch._FORWARD, launch._BACKWARD):
-        plans.clear()
+    decide._PLANS.clear()
 
 
 @pytest.fixture
@@ -173,7 +171,7 @@ def test_gpu_non_finite_stays_in_its_windows(backend, bad_tensor, bad_value):
 # The fused kernels' ways of masking a key box and of orienting dK/dV, each with the default tiles of this problem
 # and with 16 x 16 tiles on four warps: (MASK_IN_DOT_FROM, DKDV_QUERY_ROWS_FROM, configuration or None).
 FUSED_PATHS = {
-    "defaults": (launch.MASK_IN_DOT_FROM, launch.DKDV_QUERY_ROWS_FROM, None),
+    "defaults": (decide.MASK_IN_DOT_FROM, decide.DKDV_QUERY_ROWS_FROM, None),
     "mask-in-dot-key-rows": (0.0, 1 << 30, Config(16, 16, 4, 1)),
     "selects-query-rows": (float("inf"), 1, Config(16, 16, 4, 1, True)),
 }
@@ -184,8 +182,8 @@ FUSED_PATHS = {
 @pytest.mark.parametrize("bad_tensor, bad_value", BAD_CASES[:3], ids=BAD_IDS[:3])
 def test_non_finite_stays_in_its_windows_fused(bad_tensor, bad_value, path, monkeypatch):
     mask_from, rows_from, config = FUSED_PATHS[path]
-    monkeypatch.setattr(launch, "MASK_IN_DOT_FROM", mask_from)
-    monkeypatch.setattr(launch, "DKDV_QUERY_ROWS_FROM", rows_from)
+    monkeypatch.setattr(decide, "MASK_IN_DOT_FROM", mask_from)
+    monkeypatch.setattr(decide, "DKDV_QUERY_ROWS_FROM", rows_from)
     forced = {} if config is None else dict(fwd=config, dq=config, dkdv=config)
     with autotune.forced(**forced):
         _check_contained("fused", bad_tensor, bad_value, grads=True, heads=2, heads_kv=1)
@@ -265,9 +263,9 @@ def _fused_plan_precisions(q, grads=False):
     """Runs the fused backend once; the ``PREC`` of every cached forward (or backward) plan."""
     out = ops.na2d(q, q, q, 3, backend="fused")
     if not grads:
-        return [plan.launch.meta["PREC"] for plan in launch._FORWARD.values()]
+        return [plan.launch.meta["PREC"] for plan in decide.plans("forward")]
     out.backward(torch.randn_like(out))  # a dense gradient, as in training
-    return [(plan.dq.meta["PREC"], plan.dkdv.meta["PREC"]) for plan in launch._BACKWARD.values()]
+    return [(plan.dq.meta["PREC"], plan.dkdv.meta["PREC"]) for plan in decide.plans("backward")]
 
 
 @pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(), reason="needs CUDA or the interpreter")
@@ -284,7 +282,7 @@ def test_fused_float32_precision_follows_torch_setting(matmul_precision):
     assert _fused_plan_precisions(q) == ["tf32x3", "tf32"]  # the same matmuls as "high": the same plan
     matmul_precision("highest")
     assert _fused_plan_precisions(q) == ["tf32x3", "tf32"]
-    launch._FORWARD.clear()
+    decide._PLANS.clear()
     assert _fused_plan_precisions(q.half()) == ["tf32"]
 
 
@@ -319,10 +317,10 @@ def test_precision_under_torch_new_fp32_api():
     previous = matmul.fp32_precision
     try:
         matmul.fp32_precision = "tf32"
-        assert autotune.dot_precision(torch.float32) == "tf32"
+        assert decide.dot_precision(torch.float32) == "tf32"
         assert triton_kernels._precision(torch.float32) == "tf32"
         matmul.fp32_precision = "ieee"
-        assert autotune.dot_precision(torch.float32) == "tf32x3"
+        assert decide.dot_precision(torch.float32) == "tf32x3"
         assert triton_kernels._precision(torch.float32) == "tf32x3"
     finally:
         matmul.fp32_precision = previous
@@ -376,7 +374,7 @@ def test_gemm_row_index_is_widened_before_it_can_pass_int32():
 def test_batch_chunks_fit_the_grid_limit():
     """One helper splits the batch for every Triton launcher (fused and gemm): each chunk's B * H within the limit,
     chunks covering the batch in order."""
-    from ops.fused.launch import MAX_GRID_Y, batch_chunks
+    from ops.fused.decide import MAX_GRID_Y, batch_chunks
 
     for batch, heads in ((1, 1), (3, 2), (70000, 1), (40000, 2), (5, 65535), (2, 70000)):
         chunks = batch_chunks(batch, heads)
@@ -406,7 +404,7 @@ def test_gemm_triton_grids_split_by_batch(monkeypatch):
     for name in ("_pn_kernel", "_nn_kernel", "_in_kernel"):
         kernel = getattr(triton_kernels, name)
         monkeypatch.setattr(triton_kernels, name, _GridRecorder(kernel, grids))
-    monkeypatch.setattr(launch, "MAX_GRID_Y", 5)  # 4 query heads: one batch element per launch
+    monkeypatch.setattr(decide, "MAX_GRID_Y", 5)  # 4 query heads: one batch element per launch
     chunked = run()
     assert grids and max(g[1] for g in grids) <= 5 and len(grids) >= 3 * 3
     for a, b in zip(whole, chunked):

@@ -5,8 +5,9 @@ program visits only the key/value tiles covering the union of its queries' windo
 tiles partly outside a window, and keeps the attention weights on chip (online softmax, lse).
 The backward computes dQ the same way, dK/dV by looping each key/value tile over the query tiles
 whose windows reach it (the inverse neighborhood), and dRPB from the dS that dQ adds up per window
-slot (``rpb_grad.py``; reproducible under ``torch.use_deterministic_algorithms``).  Kernels: ``kernels.py``; window formulas: ``window_jit.py``; host side: ``launch.py``;
-tile choice and autotuning: ``tiles.py`` / ``autotune.py``; torch.library ops: ``op.py``; the launch decisions for
+slot (``rpb_grad.py``; reproducible under ``torch.use_deterministic_algorithms``).  Kernels: ``kernels.py``; window formulas: ``window_jit.py``; every launch
+decision of a call (one plan per problem and layout): ``decide.py``; the launcher that runs plans: ``launch.py``; tile
+search and tuner: ``tiles.py`` / ``autotune.py``; torch.library ops: ``op.py``; the launch decisions for
 one problem, with their reasons: ``explain.py`` (``explain``); the warp-specialised
 Gluon kernels that sm_90 GPUs run for large windows: the forward in ``hopper.py``, dQ in ``hopper_dq.py``, dK/dV
 in ``hopper_dkdv.py``.

@@ -1,11 +1,10 @@
 """``explain``: the launch decisions the fused backend makes for one problem, and why, without running a kernel.
 
-The launcher decides through ``launch.forward_choices`` / ``forward_flags`` (forward) and ``backward_choices`` /
-``dq_flags`` / ``dkdv_flags`` / ``drpb_mode`` (backward), with tile configs from ``autotune.lookup`` (what
-``autotune.pick`` returns) and the Hopper kernels' own rules (``hopper.query_tiles``, ``hopper.runs_persistent``,
-``hopper_dkdv``'s tables).  ``explain`` calls the same functions on the same inputs and words their results, so what
-it reports is what a call with these tensors launches (docs/fused.md, "Explaining a launch").  The decisions also go
-to this module's debug log, as NATTEN logs its backend choice.
+``explain`` calls the decision functions the launcher's plans come from (``decide.decide_forward`` /
+``decide_backward``, dry: no tuner and no kernel run) on the same inputs, keeps the plans they return
+(``Explanation.forward_plan`` / ``backward_plan``) and words their decisions, so what it reports is what a call with
+these tensors launches (docs/fused.md, "Explaining a launch").  The decisions also go to this module's debug log, as
+NATTEN logs its backend choice.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import autotune, hopper, hopper_dkdv, launch, op, tiles
+from . import decide, hopper, hopper_dkdv, launch, op, tiles
 from .. import functional
 from ..backends import Problem
 from ..window import NAParams
@@ -34,7 +33,7 @@ class KernelDecision:
     num_warps: int | None
     num_stages: int | None
     maxnreg: int | None
-    config_source: str  # where the tile config comes from (forced, memo, tuning cache, tuner, defaults)
+    config_source: str  # where the tile config comes from (forced, tuning cache, tuner, defaults)
     tma: bool  # tiles read by TMA
     host_descriptors: bool  # TMA descriptors built on the host
     masking: str  # "mask in dot", "selects" or "no mask code"
@@ -71,12 +70,14 @@ class Explanation:
     scale: float
     unsupported: str | None  # why the fused backend refuses these inputs (None: it serves them)
     forward: KernelDecision
-    forward_plan_cached: bool  # the launcher already holds this forward's plan (``launch._FORWARD``)
+    forward_plan_cached: bool  # the decision cache already holds this forward's plan (``decide._PLANS``)
     dq: KernelDecision | None = None  # None: no backward explained
     dkdv: KernelDecision | None = None
     drpb: str | None = None  # dRPB mode: "tile-layout dS", "window-layout dS", "offset pass", None
     drpb_reasons: list = field(default_factory=list)
     backward_plan_cached: bool = False
+    forward_plan: decide.ForwardPlan | None = None  # the plans the words above describe (``decide``, dry)
+    backward_plan: decide.BackwardPlan | None = None
 
     def __str__(self) -> str:
         p = self.params
@@ -147,26 +148,23 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_
 
     # the forward stores lse where the caller asks for it or a backward will read it (``op.attention``)
     need_lse = return_lse or needs_grad or backward
-    n = params.num_tokens
-    q4, k4, v4 = launch._tokens(query, n), launch._tokens(key, n), launch._tokens(value, n)
+    # the plan the launcher keeps for these inputs, else the one it would make (decided dry: nothing runs)
+    forward_key = decide._forward_key(query, key, value, rpb, params, scale, need_lse, host_descriptors)
+    plan = decide._PLANS.get(forward_key)
+    cached = plan is not None
+    if not cached:
+        plan = decide.decide_forward(query, key, value, rpb, params, scale, need_lse, host_descriptors, dry=True)
     result = Explanation(
         params=params, scale=scale, unsupported=BACKEND.unsupported(problem),
         shapes=dict(query=_shape(query.shape), key=_shape(key.shape), value=_shape(value.shape),
                     dtype=str(query.dtype).replace("torch.", ""), device=str(query.device)),
-        forward=_forward(query, key, value, q4, k4, v4, rpb, params, scale, need_lse, host_descriptors),
-        forward_plan_cached=launch._forward_key(query, key, value, rpb, params, scale, need_lse, host_descriptors)
-        in launch._FORWARD)
+        forward=_forward(plan, query, params, scale, rpb is not None, need_lse, host_descriptors),
+        forward_plan_cached=cached, forward_plan=plan)
     if backward:
-        _backward(result, query, key, value, q4, k4, v4, rpb, params, scale, deterministic,
-                  rpb is not None and rpb.requires_grad, host_descriptors)
+        _backward(result, query, key, value, rpb, params, scale, deterministic, rpb is not None and rpb.requires_grad,
+                  host_descriptors)
     log.debug("%s", result)
     return result
-
-
-def _pick(kernel, q, k, v, params, has_rpb, tunable, tma, host_descriptors):
-    """``(config, source)`` as ``autotune.pick`` would return them for the launcher's call."""
-    return autotune.lookup(kernel, q, k, v, params, has_rpb, tunable=tunable, tma=tma,
-                           host_descriptors=host_descriptors)
 
 
 def _masking(flags: dict, params: NAParams, config, scale: float, has_rpb: bool, inverse: bool = False) -> tuple:
@@ -174,7 +172,7 @@ def _masking(flags: dict, params: NAParams, config, scale: float, has_rpb: bool,
     axes = tiles.axes_of(params)
     pad = 3 - len(axes)
     partial = tiles.partial_axes(axes, config.outer_tile[pad:], config.inner_tile[pad:], inverse)
-    rule = f"MASK_IN_DOT_FROM ({launch.MASK_IN_DOT_FROM}) x {len(axes)} axes"
+    rule = f"MASK_IN_DOT_FROM ({decide.MASK_IN_DOT_FROM}) x {len(axes)} axes"
     if flags["BIAS_TILES"]:
         return "mask in dot", "masking: in the score matmul's initial value, the bias tiles' -inf"
     if flags["MASK_IN_DOT"]:
@@ -192,15 +190,15 @@ def _tma_reasons(config, tma_ok: bool, host: bool, host_descriptors: bool, layou
     if not config.tma:
         return ["TMA off: the tile config has no TMA"]
     if not tma_ok:
-        return ["TMA off: the tensors or the GPU do not allow bulk copies (launch.tma_eligible: a Hopper or newer "
+        return ["TMA off: the tensors or the GPU do not allow bulk copies (decide.tma_eligible: a Hopper or newer "
                 "GPU, 16-bit values, 16-byte aligned bases and batch / token / head strides)"]
     if host:
-        return ["TMA on, descriptors built on the host (launch.host_descriptors_ok)"]
+        return ["TMA on, descriptors built on the host (decide.host_descriptors_ok)"]
     why = "this call builds none (host_descriptors=False)" if not host_descriptors else layout_rule
     return [f"TMA on, descriptors built per program: {why}"]
 
 
-HOST_LAYOUT_RULE = ("launch.host_descriptors_ok needs no dilation, heads packed per token, power-of-two head dims "
+HOST_LAYOUT_RULE = ("decide.host_descriptors_ok needs no dilation, heads packed per token, power-of-two head dims "
                     "and one batch chunk")
 
 
@@ -208,25 +206,25 @@ def _bias_reason(flags: dict, has_rpb: bool, scale: float) -> str | None:
     if not has_rpb:
         return None
     if flags["BIAS_TILES"]:
-        return "RPB: per-call bias tiles (launch.BIAS_TILES)"
-    if not launch.BIAS_TILES:
-        return "RPB: gathered per element (launch.BIAS_TILES off, NAMODELS_BIAS_TILES=0)"
+        return "RPB: per-call bias tiles (decide.BIAS_TILES)"
+    if not decide.BIAS_TILES:
+        return "RPB: gathered per element (decide.BIAS_TILES off, NAMODELS_BIAS_TILES=0)"
     if scale <= 0:
         return "RPB: gathered per element (the scale is not positive)"
-    return f"RPB: gathered per element (the table would pass launch.BIAS_TILE_ELEMENTS, {launch.BIAS_TILE_ELEMENTS})"
+    return f"RPB: gathered per element (the table would pass decide.BIAS_TILE_ELEMENTS, {decide.BIAS_TILE_ELEMENTS})"
 
 
 def _portable(kernel: str, config, source: str, flags: dict, why: str, heads: int, batch: int, idx64: bool,
               precision: str, reasons: list, masking: tuple | None) -> KernelDecision:
     """A portable kernel's decision; ``masking``: ``_masking``'s (mode, reason), None without a config yet."""
-    chunks = len(launch.batch_chunks(batch, heads))
+    chunks = len(decide.batch_chunks(batch, heads))
     reasons = [f"portable kernel: not the Hopper kernel: {why}", f"tile config: {source}"] + reasons
     if masking is not None:
         reasons.append(masking[1])
     if chunks > 1:
-        reasons.append(f"batch x heads past the grid's limit ({launch.MAX_GRID_Y}): {chunks} launches")
+        reasons.append(f"batch x heads past the grid's limit ({decide.MAX_GRID_Y}): {chunks} launches")
     if idx64:
-        reasons.append("int64 offsets: a batch element's offsets can pass 2**31 (launch.needs_int64)")
+        reasons.append("int64 offsets: a batch element's offsets can pass 2**31 (decide.needs_int64)")
     common = dict(kernel=kernel, family="portable", config_source=source, index_width="int64" if idx64 else "int32",
                   precision=precision, batch_chunks=chunks,
                   tile_order="row-major over each batch element and head, a dilation group's tiles adjacent",
@@ -248,118 +246,108 @@ def _hopper_order() -> str:
     return "row-major (hopper.ORDERED off)"
 
 
-def _hopper_query_kernel(kernel: str, params: NAParams, forward: bool) -> KernelDecision:
-    q_tile, kv_tile, masked = hopper.query_tiles(params)
-    reasons = ["Hopper kernel: the problem passes hopper.unsupported's checks",
+def _hopper_query_kernel(kernel: str, record, forward: bool) -> KernelDecision:
+    q_tile, kv_tile, masked = record.q_tile, record.kv_tile, record.masked
+    reasons = ["Hopper kernel: the problem passes decide.hopper_unsupported's checks",
                "tiles: the 128-row query box and 128-key box of tiles.choose_tiles (hopper.ROWS, hopper.COLS)",
                "masking: " + ("boxes partial somewhere: masked boxes tested on the axes they leave" if masked
                               else "no key box of any program needs a mask")]
     if forward:
-        reasons.append("persistent: one program per SM runs the work items" if hopper.runs_persistent(params, masked)
+        reasons.append("persistent: one program per SM runs the work items" if record.persistent
                        else "one program per query tile (masked launch; hopper.PERSISTENT_MASKED)")
     return KernelDecision(kernel=kernel, family="Hopper", outer_tile=q_tile, inner_tile=kv_tile, num_warps=4,
                           num_stages=hopper.STAGES, maxnreg=None, config_source="the Hopper kernel's fixed tiles",
                           tma=True, host_descriptors=True, masking="mask per axis" if masked else "no mask code",
-                          bias_tiles=False, index_width="int32", precision=autotune.HALF_DOT_PRECISION,
+                          bias_tiles=False, index_width="int32", precision=decide.HALF_DOT_PRECISION,
                           batch_chunks=1, tile_order=_hopper_order(), carveout="Triton's default", reasons=reasons)
 
 
-def _forward(q, k, v, q4, k4, v4, rpb, params, scale, need_lse, host_descriptors) -> KernelDecision:
-    has_rpb, hq = rpb is not None, q.shape[-2]
-    choices = launch.forward_choices(q4, k4, v4, rpb, params, scale, q.dtype, host_descriptors)
-    if choices.hopper_why is None:
-        return _hopper_query_kernel("forward", params, forward=True)
-    config, source = _pick("fwd", q, k, v, params, has_rpb, True, choices.tma_ok, choices.host_desc)
-    flags, reasons, masking = {}, [], None
+def _forward(plan: decide.ForwardPlan, q, params, scale, has_rpb, need_lse, host_descriptors) -> KernelDecision:
+    choices, config, flags = plan.choices, plan.config, plan.flags
+    if plan.hopper is not None:
+        return _hopper_query_kernel("forward", plan.hopper, forward=True)
+    reasons, masking = [], None
     if config is not None:
-        flags = launch.forward_flags(choices, params, config, scale, has_rpb, hq, need_lse)
         reasons += _tma_reasons(config, choices.tma_ok, flags["HOST_DESC"], host_descriptors, HOST_LAYOUT_RULE)
         reasons += [r for r in (_bias_reason(flags, has_rpb, scale),) if r]
         reasons.append("lse stored" if need_lse else "lse not stored (no caller or backward reads it)")
         masking = _masking(flags, params, config, scale, has_rpb)
-    return _portable("forward", config, source, flags, choices.hopper_why, hq, q.shape[0], choices.idx64,
-                     choices.precision, reasons, masking)
+    return _portable("forward", config, plan.config_source, flags, choices.hopper_why, q.shape[-2], q.shape[0],
+                     choices.idx64, choices.precision, reasons, masking)
 
 
-def _backward(result: Explanation, q, k, v, q4, k4, v4, rpb, params, scale, deterministic, want_drpb,
-              host_descriptors) -> None:
-    b, n, hq, hkv, dv = q.shape[0], params.num_tokens, q.shape[-2], k.shape[-2], v.shape[-1]
+def _backward(result: Explanation, q, k, v, rpb, params, scale, deterministic, want_drpb, host_descriptors) -> None:
+    b, hq, dv = q.shape[0], q.shape[-2], v.shape[-1]
     has_rpb = rpb is not None
     # stands for the call's output and its gradient: fresh and contiguous, as in an eager step
     out = torch.empty((*q.shape[:-1], dv), dtype=q.dtype, device=q.device)
-    o4 = launch._tokens(out, n)
-    grads4 = (torch.empty((b, n, hq, q.shape[-1]), device="meta"), torch.empty((b, n, hkv, k.shape[-1]), device="meta"),
-              torch.empty((b, n, hkv, dv), device="meta"))
-    choices = launch.backward_choices(q4, k4, v4, o4, o4, grads4, rpb, params, scale, q.dtype, deterministic,
-                                      want_drpb, host_descriptors)
-    # dQ: its portable config is picked (untuned) even where the Hopper kernel runs it
-    dq_on_hopper = choices.dq_hopper_why is None
-    config, source = _pick("dq", q, k, v, params, has_rpb, not dq_on_hopper, choices.dq_tma_ok, choices.dq_host)
-    dq = {}
-    if config is not None:
-        dq = launch.dq_flags(choices, params, config, scale, hq, False)
-    if dq_on_hopper:
-        result.dq = _hopper_query_kernel("dQ", params, forward=False)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    arguments = (q, k, v, rpb, out, lse, out, None, params, scale, deterministic, want_drpb, None, host_descriptors)
+    plan = decide._PLANS.get(decide._backward_key(*arguments))
+    result.backward_plan_cached = plan is not None
+    if plan is None:
+        plan = decide.decide_backward(*arguments, dry=True)
+    result.backward_plan = plan
+    choices, config, dq = plan.choices, plan.dq_config, plan.dq_flags
+    if plan.hopper_dq is not None:
+        result.dq = _hopper_query_kernel("dQ", plan.hopper_dq, forward=False)
     else:
         reasons, masking = [], None
         if config is not None:
             reasons += _tma_reasons(config, choices.dq_tma_ok, dq["HOST_DESC"], host_descriptors, HOST_LAYOUT_RULE)
             reasons += [r for r in (_bias_reason(dq, has_rpb, scale),) if r]
             masking = _masking(dq, params, config, scale, has_rpb)
-        result.dq = _portable("dQ", config, source, dq, choices.dq_hopper_why, hq, b, choices.idx64,
+        result.dq = _portable("dQ", config, plan.dq_source, dq, choices.dq_hopper_why, hq, b, choices.idx64,
                               choices.precision, reasons, masking)
-    result.dkdv = _dkdv(q, k, v, params, scale, has_rpb, choices, host_descriptors)
-    _drpb(result, q, k, v, params, dq, choices, has_rpb, want_drpb, deterministic)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="meta")  # (the key reads its dtype and strides)
-    result.backward_plan_cached = launch._backward_key(
-        q, k, v, rpb, out, lse, out, None, params, scale, deterministic, want_drpb, None,
-        host_descriptors) in launch._BACKWARD
+    result.dkdv = _dkdv(plan, q, k, params, scale, has_rpb, host_descriptors)
+    _drpb(result, plan, has_rpb, want_drpb, deterministic)
 
 
-def _dkdv(q, k, v, params, scale, has_rpb, choices, host_descriptors) -> KernelDecision:
-    b, hq, hkv = q.shape[0], q.shape[-2], k.shape[-2]
-    if choices.dkdv_hopper_why is None:
+def _dkdv(plan: decide.BackwardPlan, q, k, params, scale, has_rpb, host_descriptors) -> KernelDecision:
+    b, hkv = q.shape[0], k.shape[-2]
+    choices = plan.choices
+    if plan.hopper_dkdv is not None:
+        record = plan.hopper_dkdv
         kv_tile, q_tile = hopper_dkdv._tiles(params)
-        _, spans, _ = hopper_dkdv.inverse_tables(params, kv_tile)
-        masked = not hopper_dkdv.every_box_inside(spans, q_tile)
+        masked = record.query_ranges.dtype != torch.int8  # the kernel's mask switch (``build_launches``)
         return KernelDecision(
             kernel="dK/dV", family="Hopper", outer_tile=kv_tile, inner_tile=q_tile, num_warps=4,
             num_stages=hopper_dkdv.STAGES, maxnreg=None, config_source="the Hopper kernel's fixed tiles", tma=True,
             host_descriptors=True, masking="mask per box" if masked else "no mask code", bias_tiles=False,
-            index_width="int32", precision=autotune.HALF_DOT_PRECISION, batch_chunks=1, tile_order=_hopper_order(),
+            index_width="int32", precision=decide.HALF_DOT_PRECISION, batch_chunks=1, tile_order=_hopper_order(),
             carveout="the smallest shared-memory capacity holding one program per SM (carveout.fit_shared_memory)",
-            reasons=["Hopper kernel: the problem passes hopper_dkdv.unsupported's checks",
+            reasons=["Hopper kernel: the problem passes decide.hopper_dkdv_unsupported's checks",
                      f"tiles: {hopper_dkdv.KEYS}-key boxes and {hopper_dkdv.QUERIES}-query boxes of "
                      "tiles.choose_tiles (keys as the matmul rows)",
                      "masking: " + ("some query box leaves a key's window" if masked
                                     else "every query box inside its keys' windows (every_box_inside)")])
-    config, source = _pick("dkdv", q, k, v, params, has_rpb, True, choices.dkdv_tma_ok, choices.dkdv_host)
-    flags, reasons, masking = {}, [], None
+    config, flags = plan.dkdv_config, plan.dkdv_flags
+    reasons, masking = [], None
     if config is not None:
-        flags = launch.dkdv_flags(choices, params, config, scale, hq)
         reasons += _tma_reasons(config, choices.dkdv_tma_ok, flags["HOST_DESC"], host_descriptors,
                                 HOST_LAYOUT_RULE + " (for Q/dO as well as K/V)")
         reasons += [r for r in (_bias_reason(flags, has_rpb, scale),) if r]
         rows = math.prod(config.inner_tile)
         reasons.append(f"score tile as [queries, keys] (QUERY_ROWS): {rows}-query tiles, at least "
-                       f"DKDV_QUERY_ROWS_FROM ({launch.DKDV_QUERY_ROWS_FROM})" if flags["QUERY_ROWS"] else
+                       f"DKDV_QUERY_ROWS_FROM ({decide.DKDV_QUERY_ROWS_FROM})" if flags["QUERY_ROWS"] else
                        f"score tile as [keys, queries]: {rows}-query tiles, under DKDV_QUERY_ROWS_FROM "
-                       f"({launch.DKDV_QUERY_ROWS_FROM})")
+                       f"({decide.DKDV_QUERY_ROWS_FROM})")
         masking = _masking(flags, params, config, scale, has_rpb, inverse=True)
-    return _portable("dK/dV", config, source, flags, choices.dkdv_hopper_why, hkv, b, choices.idx64,
+    return _portable("dK/dV", config, plan.dkdv_source, flags, choices.dkdv_hopper_why, hkv, b, choices.idx64,
                      choices.precision, reasons, masking)
 
 
-def _drpb(result, q, k, v, params, dq, choices, has_rpb, want_drpb, deterministic) -> None:
+def _drpb(result, plan: decide.BackwardPlan, has_rpb, want_drpb, deterministic) -> None:
     if not has_rpb:
         return
     if not want_drpb:
         result.drpb_reasons = ["the RPB needs no gradient (rpb.requires_grad is False)"]
         return
-    if not dq:
+    if not plan.dq_flags:
         result.drpb_reasons = ["decided with dQ's tiles, which the tuner picks on first use"]
         return
-    result.drpb = launch.drpb_mode(dq, has_rpb, want_drpb)
+    result.drpb = plan.drpb_mode
+    choices = plan.choices
     reasons = []
     if result.drpb == "tile-layout dS":
         reasons.append("dQ adds dS over the batch by atomics in its bias tiles' layout (DS_BOXES)")
@@ -371,10 +359,7 @@ def _drpb(result, q, k, v, params, dq, choices, has_rpb, want_drpb, deterministi
     else:
         reasons.append(f"offset pass: the window-layout buffer would pass rpb_grad.WINDOW_BUFFER_BYTES "
                        f"({launch.rpb_grad.WINDOW_BUFFER_BYTES}) or an axis is causal")
-        config, _ = autotune.lookup("drpb", q, k, v, params, True, tunable=False)
-        _, programs = launch._window_args(params, config.outer_tile)
-        partial_bytes = q.shape[0] * q.shape[-2] * programs * math.prod(params.rpb_shape) * 4
-        reasons.append("its rows added by atomics" if launch.offset_pass_atomic(deterministic, partial_bytes) else
+        reasons.append("its rows added by atomics" if plan.drpb_atomic else
                        "one partial row per program, summed in order")
     if deterministic:
         reasons.append("deterministic (torch.use_deterministic_algorithms or op.DRPB_DETERMINISTIC_DEFAULT)")

@@ -34,7 +34,6 @@ sm_90, takes the portable kernel; ``NAMODELS_HOPPER=0`` (or ``disabled()``) forc
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -628,54 +627,6 @@ class HopperForward:
         return (min(self.programs, multiprocessors(device)),) if self.persistent else self.grid
 
 
-def sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-
-
-def unsupported(q4, k4, v4, rpb, params: NAParams, scale: float, ranks: tuple = RANKS) -> str | None:
-    """Why the Hopper kernel cannot run this problem (None where it can); ``q4`` / ``k4`` / ``v4``: ``[B, N, H, D]``;
-    ``ranks``: the problem ranks the kernel runs (``hopper_dkdv`` has its own)."""
-    from . import launch  # (launch imports this module)
-
-    if not ENABLED:
-        return "disabled (NAMODELS_HOPPER=0)"
-    if gluon is None:
-        return "needs Triton's Gluon dialect (Triton 3.5 or newer)"
-    if kernels.interpreted() or not sm90(q4.device):
-        return "needs an sm_90 GPU"
-    if q4.dtype not in (torch.float16, torch.bfloat16) or not (q4.dtype == k4.dtype == v4.dtype):
-        return "needs 16-bit inputs"
-    if q4.shape[-1] not in HEAD_DIMS or v4.shape[-1] != q4.shape[-1]:
-        return f"needs head dim in {HEAD_DIMS} equal to the value dim"
-    if rpb is not None:
-        return "no RPB"
-    if not scale > 0:
-        return "needs a positive scale"
-    if any(d != 1 for d in params.dilation):
-        return "no dilation"
-    if params.rank not in ranks:
-        return f"{params.rank}-D problems run faster on the portable kernel"
-    if params.window_size < MIN_WINDOW:
-        return f"windows under {MIN_WINDOW} keys run faster on the portable kernel's smaller tiles"
-    if params.num_tokens < ROWS:
-        return "fewer tokens than one query tile"
-    if not (launch.host_descriptors_ok(params, k4, v4, q4.shape[0], q4.shape[-2])
-            and launch.host_descriptors_ok(params, q4, q4, q4.shape[0], q4.shape[-2])):
-        return "Q/K/V layout does not allow host-built descriptors"
-    if launch.needs_int64(q4, k4, v4):
-        return "offsets past 2**31 elements"
-    if longest_loop(params) >= MAX_STEPS:
-        return f"a query tile visiting {MAX_STEPS} key boxes or more"
-    return None
-
-
-def longest_loop(params: NAParams) -> int:
-    """The most key boxes one query tile of the forward and dQ visits, with ``query_tiles``' boxes."""
-    q_tile, kv_tile, _ = query_tiles(params)
-    pad = 3 - params.rank
-    return tiles.max_boxes(tiles.axes_of(params), q_tile[pad:], kv_tile[pad:])
-
-
 def window_tables(params: NAParams, q_tile) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(starts, spans, row_offsets)``, on the host: per axis (leading dummy axes first), every position's window
     ``[start, stop)``; every query tile's key span ``[lo, hi)``, the part ``[in_lo, in_hi)`` inside all its rows'
@@ -720,9 +671,9 @@ def query_boxes(params: NAParams, device) -> tuple:
     order)``, the 128-row query box and 128-key box per axis (``tiles.choose_tiles``, leading dummy axes first),
     whether some key box of some program needs a mask, the programs per batch element and head, the query tiles per
     axis, the window tables (``window_tables``) and the order the tiles run in (``tile_order``)."""
-    from . import launch
+    from . import decide, launch
 
-    q_tile, kv_tile, masked = query_tiles(params)
+    q_tile, kv_tile, masked = decide.query_tiles(params)
     window, programs = launch._window_args(params, q_tile)
     nt = tuple(window[12:15])
     tables = window_tables(params, q_tile)  # on the host: the order is searched on their spans, then they move
@@ -731,40 +682,20 @@ def query_boxes(params: NAParams, device) -> tuple:
     return q_tile, kv_tile, masked, programs, nt, tuple(t.to(device) for t in tables), order
 
 
-@functools.lru_cache(maxsize=256)
-def query_tiles(params: NAParams) -> tuple[tuple, tuple, bool]:
-    """``(q_tile, kv_tile, masked)``: the forward's and dQ's 128-row query box and 128-key box per axis
-    (``tiles.choose_tiles``, leading dummy axes first) and whether some key box of some program needs a mask.  Kept
-    per problem: the forward, dQ and dK/dV plans each ask ``unsupported`` (``longest_loop``), the forward and dQ
-    plans build on them, and the tile search is slow on 3-D problems (it tries many tile shapes)."""
-    pad = 3 - params.rank
-    axes = tiles.axes_of(params)
-    q_tile, kv_tile = tiles.choose_tiles(axes, ROWS, COLS)
-    masked = tiles.partial_axes(axes, q_tile, kv_tile) > 0
-    return (1,) * pad + tuple(q_tile), (1,) * pad + tuple(kv_tile), masked
-
-
-def runs_persistent(params: NAParams, masked: bool) -> bool:
-    """Whether the forward's main kernel runs one program per SM over the work items (``PERSISTENT_``): mask-free
-    launches, and masked ones where ``PERSISTENT_MASKED`` or the rank and causality allow it."""
-    return (not masked or PERSISTENT_MASKED
-            or (params.rank in PERSISTENT_MASKED_RANKS and not any(params.is_causal)))
-
-
 def fixup_meta(params: NAParams, q_tile, d: int) -> dict:
     """The constexprs of a non-finite fixup kernel over the query boxes ``q_tile`` (``na_fwd_nonfinite_kernel``,
     ``hopper_dq.na_bwd_dq_nonfinite_kernel``)."""
-    from . import launch
+    from . import decide, launch
 
     C = launch._axes3(params)[4]
     return dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
-                T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], BLOCK_D=d, IDX64=False, SUB=launch.gather_rows(d, d),
+                T0=q_tile[0], T1=q_tile[1], T2=q_tile[2], BLOCK_D=d, IDX64=False, SUB=decide.gather_rows(d, d),
                 num_warps=4, num_stages=1)
 
 
 def build_launches(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -> HopperForward:
-    """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted."""
-    from . import launch
+    """Tiles, tables, grid and arguments of a problem ``decide.hopper_unsupported`` accepted."""
+    from . import decide, launch
 
     b, n, hq, hkv, d = q4.shape[0], params.num_tokens, q4.shape[-2], k4.shape[-2], q4.shape[-1]
     q_tile, kv_tile, masked, programs, nt, (starts, spans, row_offsets), order = query_boxes(params, q4.device)
@@ -776,15 +707,15 @@ def build_launches(q4, k4, v4, params: NAParams, scale: float, need_lse: bool) -
     box, offset = half_box(q_tile)
     scalars = (*lse_strides, hq, hq // hkv, qk_scale, *L, *nt, starts.shape[1], spans.shape[1],
                *offset, int(need_lse), int(masked), programs * b * hq)
-    meta = dict(PERSISTENT_=runs_persistent(params, masked), STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS,
+    meta = dict(PERSISTENT_=decide.runs_persistent(params, masked), STAGES_=STAGES, CONSUMER_REGS_=CONSUMER_REGS,
                 PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     fixup_scalars = (*launch._strides(q4), *launch._strides(k4), *launch._strides(v4), *out_strides, *lse_strides,
                      hq, hq // hkv, d, qk_scale, *L, *K, *S, *nt)
     return HopperForward(q_tile, kv_tile, (programs, b * hq), masked, starts, spans, order, row_offsets, scalars,
                          meta, fixup_scalars, dict(fixup_meta(params, q_tile, d), STORE_LSE=need_lse),
-                         launch.host_kv_layouts(params, q4, q4, box)[0],
-                         launch.host_kv_layouts(params, k4, v4, kv_tile),
-                         launch.host_kv_layouts(params, out4, out4, box)[0])
+                         decide.host_kv_layouts(params, q4, q4, box)[0],
+                         decide.host_kv_layouts(params, k4, v4, kv_tile),
+                         decide.host_kv_layouts(params, out4, out4, box)[0])
 
 
 def half_box(q_tile) -> tuple[tuple, tuple]:
@@ -799,18 +730,3 @@ def _descriptor(t: torch.Tensor, shape, strides, block) -> "GluonDescriptor":
     element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
     return GluonDescriptor(t, list(shape), list(strides), list(block),
                            gl.NVMMASharedLayout.get_default_for(list(block), element))
-
-
-def run(fw: HopperForward, q4, k4, v4, out4, lse) -> None:
-    """``out4`` (``[B, N, H, D]``) and ``lse`` (``[B, N, H]`` float32, or None) for the problem of ``fw``."""
-    q_desc = _descriptor(q4, *fw.q_layout)
-    k_desc = _descriptor(k4, *fw.kv_layouts[0])
-    v_desc = _descriptor(v4, *fw.kv_layouts[1])
-    if not out4.is_contiguous():
-        raise ValueError("out4: the Hopper forward writes a contiguous [B, N, H, D] output")
-    o_desc = _descriptor(out4, *fw.o_layout)
-    flags = torch.empty(fw.programs * ROWS, dtype=torch.int8, device=q4.device)
-    lse_arg = out4 if lse is None else lse
-    na_fwd_hopper_kernel[fw.main_grid(q4.device)](q_desc, k_desc, v_desc, o_desc, lse_arg, flags, fw.starts, fw.spans,
-                                                  fw.order, fw.row_offsets, *fw.scalars, **fw.meta)
-    na_fwd_nonfinite_kernel[fw.grid](q4, k4, v4, out4, lse_arg, flags, *fw.fixup_scalars, **fw.fixup_meta)

@@ -25,7 +25,7 @@ A box's lse and delta come from global memory (L2, mostly): a masked launch load
 matmuls, a launch without mask code a box ahead, during the previous box's dK and dV matmuls, so that no step waits
 out the trip (``docs/fused.md``, "What holds dK/dV back").
 
-It runs where ``hopper.unsupported`` accepts the problem (no RPB, no dilation, 16-bit, head dim 64 or 128, large
+It runs where ``decide.hopper_unsupported`` accepts the problem (no RPB, no dilation, 16-bit, head dim 64 or 128, large
 windows) for the ranks in ``RANKS``; everything else takes the portable kernel.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import carveout, hopper, kernels, tiles
+from . import hopper, kernels, tiles
 from .kernels import _dkdv_by_offset, _program_group
 from ..window import NAParams
 
@@ -174,7 +174,7 @@ if gluon is not None:
             phase = (t // stages) & 1
             # A column past an axis' end holds another query's token (or one past the last): its Q and dO are zero
             # (the copy's fill) and the mask drops it, since a box sticking out is never inside every key's window.
-            # Offsets fit in 32 bits (``hopper.unsupported``).
+            # Offsets fit in 32 bits (``decide.hopper_unsupported``).
             if masked:  # loaded first, so their latency hides behind the mask and the matmuls' issue
                 lse_now, delta_now = _lse_and_delta(lse_b, delta_b, q0, q1, q2, h, c_tok, L1, L2, n_tokens, slt,
                                                     t < total)
@@ -330,18 +330,6 @@ class HopperDkDv:
         return self.grid[0] * self.grid[1]
 
 
-def unsupported(q4, k4, v4, do4, rpb, params: NAParams, scale: float) -> str | None:
-    """Why the Hopper dK/dV kernel cannot run this problem (None where it can); ``[B, N, H, D]`` inputs."""
-    from . import launch
-
-    why = hopper.unsupported(q4, k4, v4, rpb, params, scale, ranks=RANKS)
-    if why is None and (do4.dtype != q4.dtype or do4.shape[-1] != v4.shape[-1]
-                        or not launch.host_descriptors_ok(params, do4, do4, do4.shape[0], do4.shape[-2])
-                        or launch.needs_int64(do4)):
-        why = "dO's dtype, head dim or layout does not allow host-built descriptors"
-    return why
-
-
 def _tiles(params: NAParams) -> tuple[tuple, tuple]:
     """``(kv_tile, q_tile)`` per axis, leading dummy axes first."""
     pad = (1,) * (3 - params.rank)
@@ -384,9 +372,9 @@ def inverse_tables(params: NAParams, kv_tile) -> tuple[torch.Tensor, torch.Tenso
 
 
 def build_launches(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> HopperDkDv:
-    """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted; ``grads``: the (dK, dV) buffers
-    (``[B, N, Hkv, D]`` views) the launches write, whose strides are part of their arguments."""
-    from . import launch
+    """Tiles, tables, grid and arguments of a problem ``decide.hopper_dkdv_unsupported`` accepted; ``grads``: the
+    (dK, dV) buffers (``[B, N, Hkv, D]`` views) the launches write, whose strides are part of their arguments."""
+    from . import decide, launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
     kv_tile, q_tile = _tiles(params)
@@ -410,24 +398,7 @@ def build_launches(q4, k4, v4, do4, params: NAParams, scale: float, grads) -> Ho
                      scale * kernels.LOG2E, scale, *L, *K, *S, *nu)
     fixup_meta = dict(CAUSAL0=C[0], CAUSAL1=C[1], CAUSAL2=C[2], ACT0=params.rank >= 3, ACT1=params.rank >= 2,
                       U0=kv_tile[0], U1=kv_tile[1], U2=kv_tile[2], BLOCK_D=d, IDX64=False,
-                      SUB=launch.gather_rows(d, d), num_warps=4, num_stages=1)
+                      SUB=decide.gather_rows(d, d), num_warps=4, num_stages=1)
     return HopperDkDv((programs, b * hkv), ranges, spans, order, key_offsets, scalars, meta,
-                      fixup_scalars, fixup_meta, launch.host_kv_layouts(params, k4, v4, box),
-                      launch.host_kv_layouts(params, q4, do4, q_tile))
-
-
-def run(bw: HopperDkDv, q4, k4, v4, do4, lse, delta, dk, dv) -> None:
-    """``dk`` and ``dv`` (``[B, N, Hkv, D]``) from ``lse`` and ``delta`` (``[B, N, Hq]`` float32) for the problem of
-    ``bw``."""
-    k_desc = hopper._descriptor(k4, *bw.kv_layouts[0])
-    v_desc = hopper._descriptor(v4, *bw.kv_layouts[1])
-    q_desc = hopper._descriptor(q4, *bw.q_layouts[0])
-    do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
-    flags = torch.empty(bw.programs * KEYS, dtype=torch.int8, device=q4.device)
-    compiled = na_bwd_dkdv_hopper_kernel[bw.grid](k_desc, v_desc, q_desc, do_desc, dk, dv, lse, delta, flags,
-                                                  bw.query_ranges, bw.spans, bw.order, bw.key_offsets, *bw.scalars,
-                                                  **bw.meta)
-    # the consumers spill (``docs/fused.md``, "What holds dK/dV back"): L1 for their reloads
-    carveout.fit_shared_memory(compiled, 1)
-    na_bwd_dkdv_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dk, dv, flags, *bw.fixup_scalars,
-                                          **bw.fixup_meta)
+                      fixup_scalars, fixup_meta, decide.host_kv_layouts(params, k4, v4, box),
+                      decide.host_kv_layouts(params, q4, do4, q_tile))

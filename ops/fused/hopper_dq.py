@@ -15,7 +15,7 @@ Masks and tables are the forward's (``hopper.window_tables``): a key box inside 
 A program whose dQ holds a NaN or an infinity flags its rows, and ``na_bwd_dq_nonfinite_kernel`` recomputes them one
 window offset at a time (``kernels._dq_by_offset``), so non-finite inputs stay inside the windows that hold them.
 
-It runs where ``hopper.unsupported`` accepts the problem and dO and O allow the same descriptors; everything else
+It runs where ``decide.hopper_unsupported`` accepts the problem and dO and O allow the same descriptors; everything else
 takes the portable kernel (``kernels.na_bwd_dq_kernel``).
 """
 from __future__ import annotations
@@ -195,28 +195,19 @@ class HopperDq:
     fixup_meta: dict
     q_layouts: tuple  # (shape, strides, box) of Q's and dO's descriptors, one box per consumer
     kv_layouts: tuple
+    q_tile: tuple = ()  # the forward's boxes (``decide.query_tiles``)
+    kv_tile: tuple = ()
+    masked: bool = False
 
     @property
     def programs(self) -> int:
         return self.grid[0] * self.grid[1]
 
 
-def unsupported(q4, k4, v4, do4, o4, rpb, params: NAParams, scale: float) -> str | None:
-    """Why the Hopper dQ kernel cannot run this problem (None where it can); ``[B, N, H, D]`` inputs."""
-    from . import launch
-
-    why = hopper.unsupported(q4, k4, v4, rpb, params, scale)
-    if why is None and (do4.dtype != q4.dtype or o4.dtype != q4.dtype or do4.shape[-1] != v4.shape[-1]
-                        or not launch.host_descriptors_ok(params, do4, do4, do4.shape[0], do4.shape[-2])
-                        or launch.needs_int64(do4, o4)):
-        why = "dO's or O's dtype, head dim or layout does not allow host-built descriptors"
-    return why
-
-
 def build_launches(q4, k4, v4, do4, o4, params: NAParams, scale: float, dq) -> HopperDq:
-    """Tiles, tables, grid and arguments of a problem ``unsupported`` accepted; ``dq``: the ``[B, N, Hq, D]`` buffer
-    (view) the launches write, whose strides are part of their arguments."""
-    from . import launch
+    """Tiles, tables, grid and arguments of a problem ``decide.hopper_dq_unsupported`` accepted; ``dq``: the
+    ``[B, N, Hq, D]`` buffer (view) the launches write, whose strides are part of their arguments."""
+    from . import decide, launch
 
     b, hq, hkv, d = q4.shape[0], q4.shape[-2], k4.shape[-2], q4.shape[-1]
     q_tile, kv_tile, masked, programs, nt, (starts, spans, row_offsets), order = hopper.query_boxes(params, q4.device)
@@ -230,20 +221,5 @@ def build_launches(q4, k4, v4, do4, o4, params: NAParams, scale: float, dq) -> H
                      *lse_strides, *launch._strides(dq), hq, hq // hkv, d, scale * kernels.LOG2E, scale, *L, *K, *S,
                      *nt)
     return HopperDq((programs, b * hq), starts, spans, order, row_offsets, (*scalars, int(masked)), meta, fixup_scalars,
-                    hopper.fixup_meta(params, q_tile, d), launch.host_kv_layouts(params, q4, do4, box),
-                    launch.host_kv_layouts(params, k4, v4, kv_tile))
-
-
-def run(bw: HopperDq, q4, k4, v4, do4, o4, lse, dlse, delta, dq) -> None:
-    """``dq`` (``[B, N, Hq, D]``) and ``delta`` (``[B, N, Hq]`` float32, read by dK/dV next) from ``lse`` and, where
-    given, ``dlse`` (both ``[B, N, Hq]`` float32) for the problem of ``bw``."""
-    q_desc = hopper._descriptor(q4, *bw.q_layouts[0])
-    do_desc = hopper._descriptor(do4, *bw.q_layouts[1])
-    k_desc = hopper._descriptor(k4, *bw.kv_layouts[0])
-    v_desc = hopper._descriptor(v4, *bw.kv_layouts[1])
-    flags = torch.empty(bw.programs * hopper.ROWS, dtype=torch.int8, device=q4.device)
-    scalars = (*bw.scalars[:-1], int(dlse is not None), bw.scalars[-1])
-    na_bwd_dq_hopper_kernel[bw.grid](q_desc, do_desc, k_desc, v_desc, o4, delta if dlse is None else dlse, lse,
-                                     delta, dq, flags, bw.starts, bw.spans, bw.order, bw.row_offsets, *scalars,
-                                     **bw.meta)
-    na_bwd_dq_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, delta, dq, flags, *bw.fixup_scalars, **bw.fixup_meta)
+                    hopper.fixup_meta(params, q_tile, d), decide.host_kv_layouts(params, q4, do4, box),
+                    decide.host_kv_layouts(params, k4, v4, kv_tile), q_tile, kv_tile, masked)

@@ -22,13 +22,13 @@ Conventions shared by every kernel (see ``ops/fused/launch.py`` for the host sid
   are 64 rows tall).
 * ``TMA`` (constexpr): the tiles a loop visits (K/V, or Q/dO in dK/dV, plus dK/dV's own K/V tile)
   come from device-side TMA descriptors, one per dilation group (``_group_descriptor``), instead of
-  pointer tensors; the host sets it only where the GPU and the tensors allow it (``launch.tma_eligible``).
+  pointer tensors; the host sets it only where the GPU and the tensors allow it (``decide.tma_eligible``).
 * ``BIAS_TILES`` (constexpr): the RPB and the window mask of every box come precomputed, one [rows, cols] tile per
   (head, program, box) shared by the whole batch (``na_bias_tiles_kernel`` / ``na_bias_tiles_inverse_kernel``, run
   once per call), and start the score matmul; else the kernels gather the bias per element (``_rpb_index``) and
   build the mask from per-axis compares.
 * ``PREC`` (constexpr): every ``tl.dot``'s input precision, which matters for float32 inputs only; the host
-  follows torch's float32 matmul setting (``autotune.dot_precision``: 3xTF32 at "highest", TF32 below).
+  follows torch's float32 matmul setting (``decide.dot_precision``: 3xTF32 at "highest", TF32 below).
 * Non-finite inputs stay in the windows that hold them.  A matmul over a box multiplies every (row, key)
   pair, and a zero weight outside a row's window times a NaN (or an infinity) is NaN, so one bad key or
   value reaches every row of the tiles that load it; no select on the weights can prevent that (the

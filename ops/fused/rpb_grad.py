@@ -129,7 +129,7 @@ def reduce_window_ds(ds: torch.Tensor, params: NAParams, launch=None) -> torch.T
 
 
 # --- dS in the bias tiles' layout ------------------------------------------------------------------------------------
-# With bias tiles (``launch.BIAS_TILES``) dQ adds dS over the batch into a buffer laid out like its bias tiles: whole
+# With bias tiles (``decide.BIAS_TILES``) dQ adds dS over the batch into a buffer laid out like its bias tiles: whole
 # [queries, keys] tiles, contiguous atomics with no index arithmetic, where the window layout needs a slot and a mask
 # per element, which was the larger cost (docs/fused.md, "RPB gradient: tile-layout dS").  Each
 # element's relative offset is fixed by the problem and the tiles, so a gather index per offset, built once, turns the

@@ -21,7 +21,7 @@ rows whose windows do not hold it.  Their loops stay as they are; a program whos
 infinity computes its rows again pair by pair (``_nn_by_slot``, ``_in_by_query``), where a row only meets
 its own window's entries (the fused backend does the same, ``ops/fused/kernels.py``).  Token rows are
 indexed in int64 from the batch index on (``_token_row``), and grids are split by batch where B * heads
-passes CUDA's grid limit (``ops.fused.launch.batch_chunks``).
+passes CUDA's grid limit (``ops.fused.decide.batch_chunks``).
 """
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fused import autotune as fused_autotune
-from ..fused import launch as fused_launch
+from ..fused import decide as fused_decide
 from ..window import NAParams
 from .tiles import kernel_tables, kernel_tile_shape, pad_to_3d
 
@@ -356,7 +355,7 @@ def _precision(dtype: torch.dtype) -> str:
     either way."""
     if dtype != torch.float32:
         return "ieee"
-    return fused_autotune.dot_precision(dtype)
+    return fused_decide.dot_precision(dtype)
 
 
 def _acc(dtype: torch.dtype):
@@ -375,17 +374,17 @@ def _block(n: int) -> int:
 
 def _launch_in_batch_chunks(kernel, tiles: int, heads: int, args: list, batched: tuple, **meta) -> None:
     """``kernel`` over a ``(tiles, B * heads)`` grid, in batch chunks whose B * heads fits CUDA's grid
-    (``ops.fused.launch.batch_chunks``); the positional ``args`` at the indices ``batched`` are ``[B, ...]`` tensors,
+    (``ops.fused.decide.batch_chunks``); the positional ``args`` at the indices ``batched`` are ``[B, ...]`` tensors,
     sliced per chunk (the kernels index rows from the batch element on)."""
     batch = args[batched[0]].shape[0]
-    for lo, hi in fused_launch.batch_chunks(batch, heads):
+    for lo, hi in fused_decide.batch_chunks(batch, heads):
         chunk = [a[lo:hi] if i in batched else a for i, a in enumerate(args)]
         kernel[(tiles, (hi - lo) * heads)](*chunk, **meta)
 
 
 def _gather_rows(block: int) -> int:
-    """Rows per step of ``_nn_by_slot`` / ``_in_by_query`` (the fused kernels' rule, ``launch.gather_rows``)."""
-    return fused_launch.gather_rows(block, block)
+    """Rows per step of ``_nn_by_slot`` / ``_in_by_query`` (the fused kernels' rule, ``decide.gather_rows``)."""
+    return fused_decide.gather_rows(block, block)
 
 
 def _setup(params: NAParams, device):
