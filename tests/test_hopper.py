@@ -136,9 +136,14 @@ def test_dkdv_plan_and_reasons():
         assert "disabled" in decide.hopper_dkdv_unsupported(q4, k4, k4, q4, None, params, 0.1)
 
 
+# where the fixup kernels of the tests below run: the GPU where there is one (Triton launches there), else the
+# interpreter on the CPU
+FIXUP_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _oracle_case(params, heads, heads_kv, dim, seed):
-    """float32 ``[B, N, H, D]`` q, k, v, dO and the oracle's output, lse, dQ, dK and dV (float64 math, GQA as
-    given): ``(q, k, v, do, out, dq, lse, dk, dv)``."""
+    """float32 ``[B, N, H, D]`` q, k, v, dO and the oracle's output, lse, dQ, dK and dV (float64 math on the CPU, GQA
+    as given), on ``FIXUP_DEVICE``: ``(q, k, v, do, out, dq, lse, dk, dv)``."""
     gen = torch.Generator().manual_seed(seed)
     n = params.num_tokens
     q = torch.randn(2, *params.spatial, heads, dim, generator=gen, dtype=torch.float64)
@@ -150,7 +155,8 @@ def _oracle_case(params, heads, heads_kv, dim, seed):
     dq, dk, dv = torch.autograd.grad(out, ins, d_out)
     flat = [t.detach().reshape(2, n, t.shape[-2], dim).float().contiguous() for t in (q, k, v, d_out, out, dq)]
     grads = [t.reshape(2, n, heads_kv, dim).float().contiguous() for t in (dk, dv)]
-    return (*flat, lse.detach().reshape(2, n, heads).float().contiguous(), *grads)
+    case = (*flat, lse.detach().reshape(2, n, heads).float().contiguous(), *grads)
+    return tuple(t.to(FIXUP_DEVICE) for t in case)
 
 
 # one 128-row query tile holds the whole 5 x 8 map: a program per batch element and head, the last one (b 1, h 1)
@@ -163,7 +169,7 @@ def test_forward_fixup_recomputes_the_flagged_programs():
     q4, k4, v4, _, out_ref, _, lse_ref, _, _ = _oracle_case(FIXUP_PARAMS, 2, 1, 16, seed=5)
     fw = hopper.build_launches(q4, k4, v4, FIXUP_PARAMS, 16**-0.5, True)
     assert fw.programs == 4
-    flags = torch.zeros(fw.programs * hopper.ROWS, dtype=torch.int8)
+    flags = torch.zeros(fw.programs * hopper.ROWS, dtype=torch.int8, device=FIXUP_DEVICE)
     flags[hopper.ROWS * (fw.programs - 1) + 3] = 1
     out, lse = torch.full_like(out_ref, 7.0), torch.full_like(lse_ref, 7.0)
     hopper.na_fwd_nonfinite_kernel[fw.grid](q4, k4, v4, out, lse, flags, *fw.fixup_scalars, **fw.fixup_meta)
@@ -177,7 +183,7 @@ def test_dq_fixup_recomputes_the_flagged_programs():
     and leaves every other tile as the main kernel wrote it."""
     q4, k4, v4, do4, o4, dq_ref, lse, _, _ = _oracle_case(FIXUP_PARAMS, 2, 1, 16, seed=6)
     bw = hopper_dq.build_launches(q4, k4, v4, do4, o4, FIXUP_PARAMS, 16**-0.5, dq_ref)
-    flags = torch.zeros(bw.programs * hopper.ROWS, dtype=torch.int8)
+    flags = torch.zeros(bw.programs * hopper.ROWS, dtype=torch.int8, device=FIXUP_DEVICE)
     flags[hopper.ROWS * (bw.programs - 1) + 3] = 1
     dq = torch.full_like(dq_ref, 7.0)
     hopper_dq.na_bwd_dq_nonfinite_kernel[bw.grid](q4, k4, v4, do4, lse, (o4 * do4).sum(-1), dq, flags,
@@ -194,7 +200,7 @@ def test_dkdv_fixup_recomputes_the_flagged_programs():
     dk, dv = torch.full_like(dk_ref, 7.0), torch.full_like(dv_ref, 7.0)
     bw = hopper_dkdv.build_launches(q4, k4, v4, do4, params, 16**-0.5, (dk, dv))
     assert bw.programs == 2  # a 128-key tile per batch element and kv head
-    flags = torch.zeros(bw.programs * hopper_dkdv.KEYS, dtype=torch.int8)
+    flags = torch.zeros(bw.programs * hopper_dkdv.KEYS, dtype=torch.int8, device=FIXUP_DEVICE)
     flags[hopper_dkdv.KEYS + 5] = 1
     # 32 key rows a step instead of the launch's 8 (``SUB``): the same loop in four steps, which the interpreter runs
     # in 5 s instead of 20
