@@ -1,6 +1,6 @@
 """Backend ``fused`` (Triton) against the dense float64 oracle, forward and backward.
 
-Without CUDA the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set here before
+Without CUDA the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py before
 Triton is imported), on small problems: every window rule (1/2/3-D, stride, dilation, causal per
 axis, RPB, GQA, odd sizes, several tile shapes so that masked and unmasked tiles both occur).
 Tolerances: interpreter float32 is exact float32 math (1e-5 relative to the output scale); on the
@@ -16,9 +16,6 @@ import random
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # must precede the first import of triton code
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 

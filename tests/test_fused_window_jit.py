@@ -10,9 +10,6 @@ import random
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # kernels must be created in interpreter mode: set before triton is imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 

@@ -12,9 +12,6 @@ import random
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # Triton kernels must be created in interpreter mode: before triton import
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import ops  # noqa: E402
 import ops.gemm  # noqa: E402
 from ops.functional import make_params  # noqa: E402

@@ -15,9 +15,6 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the first import of triton code
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton")
 
 import ops  # noqa: E402
