@@ -525,3 +525,24 @@ def test_model_training_step_matches_the_reference(block_calls, name, kwargs):
     assert _rel(logits, logits_ref) < 1e-5
     for n in grads_ref:
         assert _rel(grads[n], grads_ref[n]) < 1e-4, n
+
+
+class _HalfBranch(torch.nn.Module):
+    """A stochastic depth of the user's own: scales each residual branch (here by a fixed half)."""
+
+    def forward(self, x):
+        return 0.5 * x
+
+
+def test_a_drop_path_of_another_type_scales_each_branch_through_its_module():
+    block = _block(layer_scale=0.5)
+    block.drop_path = _HalfBranch()
+    x = torch.randn(B, H, W, C)
+    ref = _reference(block)  # naive attention, the same parts
+    with torch.no_grad():
+        n = ref.norm1(x)
+        x1 = x + 0.5 * (ref.gamma1 * ref.attn(n))
+        want = x1 + 0.5 * (ref.gamma2 * ref.mlp(ref.norm2(x1)))
+        got = block(x)
+    assert block.path == "ops" and "drop_path" in block.path_reason
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

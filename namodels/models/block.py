@@ -110,6 +110,11 @@ def drop_path_masks(drop_path: nn.Module, batch: int, device) -> torch.Tensor | 
 
 def block_forward(ex, p: BlockParts, x):
     """The block's output for ``x [B, H, W, C]`` run by executor ``ex``."""
+    if type(p.drop_path) not in (nn.Identity, DropPath):  # another stochastic depth: its module scales each branch
+        y = ex.section(p.attn, attention, p, ex.layer_norm(p.norm1, x))
+        x = x + p.drop_path(y if p.gamma1 is None else p.gamma1 * y)
+        y = ex.section(p.mlp, mlp, p, ex.layer_norm(p.norm2, x))
+        return x + p.drop_path(y if p.gamma2 is None else p.gamma2 * y)
     masks = drop_path_masks(p.drop_path, x.shape[0], x.device)
     mask1, mask2 = (None, None) if masks is None else (masks[0], masks[1])
     n1 = ex.layer_norm(p.norm1, x)
