@@ -42,7 +42,7 @@ def _reference(block: layers.NATBlock) -> layers.NATBlock:
 def block_calls(monkeypatch):
     """The plans of the calls that took the tape."""
     calls = []
-    real = tape.decide
+    real = tape.route
 
     def counted(block, parts, x):
         settings = real(block, parts, x)
@@ -50,12 +50,12 @@ def block_calls(monkeypatch):
             calls.append(settings)
         return settings
 
-    monkeypatch.setattr(tape, "decide", counted)
+    monkeypatch.setattr(tape, "route", counted)
     return calls
 
 
-def _decide(block, x):
-    return tape.decide(block, block_def.block_parts(block), x)
+def _route(block, x):
+    return tape.route(block, block_def.block_parts(block), x)
 
 
 def _step(block, x, autocast: bool):
@@ -181,7 +181,7 @@ def _tanh_gelu(block):
     (lambda: _tanh_gelu(_block()), "GELU"),
 ], ids=["attn-drop", "proj-drop", "naive-backend", "hook", "tanh-gelu"])
 def test_blocks_the_tape_does_not_compute_run_the_torch_forms(make, reason):
-    assert reason in _decide(make(), torch.randn(B, H, W, C))
+    assert reason in _route(make(), torch.randn(B, H, W, C))
 
 
 @pytest.mark.parametrize("make,x_shape", [
@@ -191,16 +191,16 @@ def test_blocks_the_tape_does_not_compute_run_the_torch_forms(make, reason):
     (lambda: _block(kernel_size=7, dilation=1), (B, 5, 6, C)),  # padded to the kernel
 ], ids=["layer-scale", "fast-norm", "padded-dilation", "padded-kernel"])
 def test_blocks_the_hand_written_path_refused_take_the_tape(make, x_shape):
-    assert not isinstance(_decide(make(), torch.randn(x_shape)), str)
+    assert not isinstance(_route(make(), torch.randn(x_shape)), str)
 
 
 def test_the_switch_and_dropout_outside_training():
     block = _block(attn_drop=0.1, proj_drop=0.1)
     x = torch.randn(B, H, W, C)
-    assert not isinstance(_decide(block.eval(), x), str)  # inactive dropout does not matter
+    assert not isinstance(_route(block.eval(), x), str)  # inactive dropout does not matter
     tape.ENABLED = False
     try:
-        assert "off" in _decide(block, x)
+        assert "off" in _route(block, x)
     finally:
         tape.ENABLED = True
 
@@ -331,14 +331,14 @@ def test_a_layer_parametrised_after_the_first_call_turns_the_tape_off():
     """Parametrisation swaps a module's class in place: the kept structure check must see it."""
     block = _block()
     x = torch.randn(B, H, W, C)
-    assert not isinstance(_decide(block, x), str)
+    assert not isinstance(_route(block, x), str)
 
     class Doubled(torch.nn.Module):
         def forward(self, weight):
             return 2 * weight
 
     torch.nn.utils.parametrize.register_parametrization(block.attn.qkv, "weight", Doubled())
-    assert "qkv is a ParametrizedLinear" in _decide(block, x)
+    assert "qkv is a ParametrizedLinear" in _route(block, x)
     ref = _reference(block)
     with torch.no_grad():
         assert _rel(block(x), ref(x)) < 1e-5 and block.path == "ops"  # the parametrisation applies

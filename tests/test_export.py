@@ -273,5 +273,5 @@ def test_the_block_tape_steps_aside_while_tracing(monkeypatch):
     block = layers.NATBlock(32, 2, kernel_size=3, backend="fused").eval()
     x = torch.randn(1, 7, 8, 32)
     monkeypatch.setattr(torch.jit, "is_tracing", lambda: True)
-    assert "traced" in tape.decide(block, block_def.block_parts(block), x)
+    assert "traced" in tape.route(block, block_def.block_parts(block), x)
     assert "_tape_plans" not in block.__dict__

@@ -62,7 +62,7 @@ class NATBlock(nn.Module):
 
     ``x + DropPath(gamma1 * attn(norm1(x)))`` then ``x + DropPath(gamma2 * mlp(norm2(x)))``;
     ``gamma1``/``gamma2`` exist only when ``layer_scale`` is set.  The math is ``block.block_forward``; in eager
-    mode it runs as one autograd node where ``tape.decide`` allows (``self.path`` says which ran, and
+    mode it runs as one autograd node where ``tape.route`` allows (``self.path`` says which ran, and
     ``self.path_reason`` why not the tape).
     """
 

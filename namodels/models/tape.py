@@ -13,7 +13,7 @@ by the GEMM (``mm(..., out_dtype=float32)`` where torch has it), the fused NA ke
 descriptors while training.  Inference (nothing needs a gradient) runs the same forward with no tape and nothing
 saved.
 
-The rule (:func:`decide`): the tape runs in eager mode when the block is built as it computes (exact module types,
+The rule (:func:`route`): the tape runs in eager mode when the block is built as it computes (exact module types,
 fast_norm's LayerNorm included), nothing is hooked, no dropout is active and the fused backend serves the attention.
 Every other call runs the block function with ``block.OPS``, the primitives' torch forms: traced code
 (``torch.compile``, export, ``jit.trace``: graphs record plain ops), functorch transforms, attention dropout while
@@ -320,7 +320,7 @@ def gemm_weights_of(block):
     return None if _cached_structure_refusal(block, p) is not None else _gemm_weights(p)
 
 
-def decide(block, p: B.BlockParts, x: torch.Tensor) -> BlockSettings | str:
+def route(block, p: B.BlockParts, x: torch.Tensor) -> BlockSettings | str:
     """How ``block`` runs ``x`` on the tape, or why it runs the primitives' torch forms (a reason)."""
     if not ENABLED:
         return "the tape is off (tape.ENABLED, or no fused kernels)"
@@ -389,12 +389,12 @@ def _note_path(block, path: str, reason: str | None) -> None:
 
 
 def run_block(block, x: torch.Tensor) -> torch.Tensor:
-    """``block``'s output for ``x``: the block function on the tape where :func:`decide` allows, else with
+    """``block``'s output for ``x``: the block function on the tape where :func:`route` allows, else with
     ``block.OPS``."""
     p = B.block_parts(block)
     if torch.compiler.is_compiling():  # (no bookkeeping in a graph)
         return B.block_forward(B.OPS, p, x)
-    settings = decide(block, p, x)
+    settings = route(block, p, x)
     if type(settings) is str:
         _note_path(block, "ops", settings)
         return B.block_forward(B.OPS, p, x)
