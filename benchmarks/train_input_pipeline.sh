@@ -1,7 +1,9 @@
 #!/bin/bash
 # End-to-end training throughput on JPEG files against the same run on synthetic tensors: train.py with an in1k recipe
 # (compiled as the recipe says, or eager), samples/s from the ThroughputMonitor (median of the run's second half of
-# windows), and the ratio.  Makes an ImageNet-like folder first when $ROOT has none (namodels.benchmark.jpeg_folder).
+# windows), and the ratio; then the validation loader's images/s alone (namodels.benchmark.input_pipeline).  Both
+# training runs take $BATCHES steps: the folder run as many epochs of its training split as that needs.  Makes an
+# ImageNet-like folder first when $ROOT has none (namodels.benchmark.jpeg_folder).
 # Usage (repo root, after `pip install -e .`, on a GPU machine):
 #   [ROOT=/tmp/imagenet_like] [PIPELINE=gpu|cpu] [WORKERS=10 (CPU pipeline)] [GPU_WORKERS=6] bash benchmarks/train_input_pipeline.sh \
 #       [experiments (default: nat_tiny_in1k dinat_tiny_in1k)] [-- extra train.py overrides, e.g. model.compile=false]
@@ -18,7 +20,9 @@ done
 [ -d "$ROOT/train" ] || python3 -m namodels.benchmark.jpeg_folder "$ROOT" --train 12800 --val 1000 --classes 100 \
     --odd 10 || exit 1
 nvidia-smi -L
-common=(trainer.max_epochs=1 trainer.limit_train_batches=$BATCHES trainer.limit_val_batches=0
+files=$(find "$ROOT/train" -type f | wc -l)
+epochs=$(( (BATCHES * 128 + files - 1) / files ))  # the folder run's epochs for $BATCHES steps of batch 128
+common=(trainer.limit_train_batches=$BATCHES trainer.limit_val_batches=0
         trainer.num_sanity_val_steps=0 trainer.log_every_n_steps=10 callbacks.throughput.window_size=5
         trainer.enable_checkpointing=false callbacks.model_checkpoint=null callbacks.last_checkpoint=null
         callbacks.curves=null callbacks.samples=null logger=csv export=false
@@ -26,9 +30,10 @@ common=(trainer.max_epochs=1 trainer.limit_train_batches=$BATCHES trainer.limit_
 for exp in "${exps[@]}"; do
   for data in ${ORDER:-synthetic folder}; do
     tag=${exp}_${data}
-    if [ $data = synthetic ]; then src=(data=synthetic data.num_classes=100 data.train_samples=$((BATCHES * 128)))
+    if [ $data = synthetic ]; then src=(data=synthetic data.num_classes=100 data.train_samples=$((BATCHES * 128))
+                                        trainer.max_epochs=1)
     else src=(data.root=$ROOT data.num_classes=100 data.pipeline=$PIPELINE data.num_workers=$WORKERS
-              data.gpu.workers=${GPU_WORKERS:-6}); fi
+              data.gpu.workers=${GPU_WORKERS:-6} trainer.max_epochs=$epochs); fi
     rm -rf /tmp/run_$tag
     timeout ${RUN_TIMEOUT:-540} python3 train.py experiment=$exp paths.output_dir=/tmp/run_$tag "${src[@]}" "${common[@]}" \
         "${extra[@]}" > "$OUT/$tag.log" 2>&1
@@ -54,3 +59,7 @@ for exp in exps:
     s, f = rates.get("synthetic", float("nan")), rates.get("folder", float("nan"))
     print(f"| {exp} | {s:,.0f} | {f:,.0f} | {f / s:.3f} |")
 PY
+workers=$([ "$PIPELINE" = gpu ] && echo "${GPU_WORKERS:-6}" || echo "$WORKERS")
+timeout ${VAL_TIMEOUT:-240} python3 -m namodels.benchmark.input_pipeline "$ROOT" --splits val --pipelines "$PIPELINE" \
+    --workers "$workers" --batches 16 --warmup 2 --out "$OUT" > "$OUT/validation.log" 2>&1
+echo "validation loader alone rc=$?"; tail -4 "$OUT/validation.log"
