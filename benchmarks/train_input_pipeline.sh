@@ -5,8 +5,12 @@
 # training runs take $BATCHES steps: the folder run as many epochs of its training split as that needs.  Makes an
 # ImageNet-like folder first when $ROOT has none (namodels.benchmark.jpeg_folder).
 # Usage (repo root, after `pip install -e .`, on a GPU machine):
-#   [ROOT=/tmp/imagenet_like] [PIPELINE=gpu|cpu] [WORKERS=10 (CPU pipeline)] [GPU_WORKERS=6] bash benchmarks/train_input_pipeline.sh \
+#   [ROOT=/tmp/imagenet_like] [PIPELINE=gpu|cpu] [WORKERS=10 (CPU pipeline)] [GPU_WORKERS=6] [MPS=1] \
+#       bash benchmarks/train_input_pipeline.sh \
 #       [experiments (default: nat_tiny_in1k dinat_tiny_in1k)] [-- extra train.py overrides, e.g. model.compile=false]
+# MPS=1 runs every process under an MPS control daemon of this user (started here, stopped at the end): the training
+# process and the GPU pipeline's loader processes then share the GPU instead of taking turns on it, which shows how
+# much of the gap is time-slicing between their contexts.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -20,6 +24,12 @@ done
 [ -d "$ROOT/train" ] || python3 -m namodels.benchmark.jpeg_folder "$ROOT" --train 12800 --val 1000 --classes 100 \
     --odd 10 || exit 1
 nvidia-smi -L
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=$OUT/mps_pipe CUDA_MPS_LOG_DIRECTORY=$OUT/mps_log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "MPS control daemon started" || { echo "MPS: could not start"; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 files=$(find "$ROOT/train" -type f | wc -l)
 epochs=$(( (BATCHES * 128 + files - 1) / files ))  # the folder run's epochs for $BATCHES steps of batch 128
 common=(trainer.limit_train_batches=$BATCHES trainer.limit_val_batches=0
