@@ -82,7 +82,8 @@ class BenchProblem:
 
 def standard_problems() -> list[BenchProblem]:
     """The standard problem set (table in ``docs/fused.md``): long 1-D / 2-D / 3-D windows with their stride
-    variants, a causal 3-D problem, and NAT / DiNAT stage shapes (with RPB for the backward)."""
+    variants, a causal 3-D problem, and the NA shapes of NAT-Tiny, DiNAT-Tiny and NAT-Small at 224 px, batch 128
+    (with RPB, as the models train)."""
     P = BenchProblem
     return [
         P("1d-32k", 1, 16, 128, (32768,), (2048,)),
@@ -101,6 +102,15 @@ def standard_problems() -> list[BenchProblem]:
         P("nat-tiny-2", 128, 4, 32, (28, 28), (7, 7), rpb=True),
         P("nat-tiny-3", 128, 8, 32, (14, 14), (7, 7), rpb=True),
         P("nat-tiny-4", 128, 16, 32, (7, 7), (7, 7), rpb=True),
+        # DiNAT-Tiny's dilated blocks (every other block; the others are NAT-Tiny's): dilation 224 / 4 / 2**i // 7
+        P("dinat-tiny-1", 128, 2, 32, (56, 56), (7, 7), dilation=(8, 8), rpb=True),
+        P("dinat-tiny-2", 128, 4, 32, (28, 28), (7, 7), dilation=(4, 4), rpb=True),
+        P("dinat-tiny-3", 128, 8, 32, (14, 14), (7, 7), dilation=(2, 2), rpb=True),
+        # NAT-Small's stages: NAT-Tiny's maps with 1.5x the heads (head dim 32)
+        P("nat-small-1", 128, 3, 32, (56, 56), (7, 7), rpb=True),
+        P("nat-small-2", 128, 6, 32, (28, 28), (7, 7), rpb=True),
+        P("nat-small-3", 128, 12, 32, (14, 14), (7, 7), rpb=True),
+        P("nat-small-4", 128, 24, 32, (7, 7), (7, 7), rpb=True),
     ]
 
 

@@ -185,3 +185,24 @@ def test_main_counts_problems_as_it_goes(monkeypatch, capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert ran == ["2d-flux", "nat-s1"]
     assert [line.split(" B=")[0] for line in lines] == ["[1/2] 2d-flux:", "[2/2] nat-s1:"]
+
+
+def test_the_stage_problems_cover_every_na_layer_of_nat_tiny_dinat_tiny_and_nat_small():
+    """Every NA layer of the three models at 224 px (its heads, head dim, map, window and the dilation it runs with)
+    is one of the bench's stage problems, with RPB as the models train."""
+    import timm
+
+    import namodels  # noqa: F401  (registers the models)
+    from namodels.models.layers import fit_window
+
+    problems = {(p.heads, p.dim, p.spatial, p.kernel_size, p.dilation): p for p in bench.standard_problems() if p.rpb}
+    for name in ("nat_tiny", "dinat_tiny", "nat_small"):
+        model = timm.create_model(name)
+        for i, stage in enumerate(model.levels):
+            side = 56 // 2 ** i
+            for block in stage.blocks:
+                attn = block.attn
+                dilation, _ = fit_window((side, side), attn.kernel_size, attn.dilation, attn.dilation_mode)
+                key = (attn.num_heads, attn.head_dim, (side, side), tuple(attn.kernel_size), tuple(dilation))
+                assert key in problems, (name, i, key)
+                assert problems[key].batch == 128
