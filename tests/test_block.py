@@ -278,17 +278,20 @@ def _tiny_pair(name="nat_mini", **kwargs):
     return model, reference
 
 
+def _logits_and_grads(model, x):
+    """A model's logits for ``x`` and its parameters' gradients of their summed logsumexp."""
+    logits = model(x)
+    logits.logsumexp(-1).sum().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
 def test_model_training_step_with_gradient_checkpointing_matches_the_reference(block_calls):
     """A whole model (stochastic depth off, so both runs see the same function) with checkpointed stages: the
     recomputed forward takes the tape too."""
     model, reference = _tiny_pair()
     model.set_grad_checkpointing(True)
     x = torch.randn(2, 3, 32, 32)
-    results = []
-    for m in (model, reference):
-        logits = m(x)
-        logits.logsumexp(-1).sum().backward()
-        results.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    results = [_logits_and_grads(m, x) for m in (model, reference)]
     assert len(block_calls) == 10  # five blocks, each run again by the checkpointed backward
     (logits, grads), (logits_ref, grads_ref) = results
     assert _rel(logits, logits_ref) < 1e-5
@@ -515,11 +518,7 @@ def test_model_training_step_matches_the_reference(block_calls, name, kwargs):
     tape."""
     model, reference = _tiny_pair(name, **kwargs)
     x = torch.randn(2, 3, 32, 32)
-    results = []
-    for m in (model, reference):
-        logits = m(x)
-        logits.logsumexp(-1).sum().backward()
-        results.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    results = [_logits_and_grads(m, x) for m in (model, reference)]
     assert len(block_calls) == 5
     (logits, grads), (logits_ref, grads_ref) = results
     assert _rel(logits, logits_ref) < 1e-5
