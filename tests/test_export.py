@@ -274,4 +274,4 @@ def test_the_block_tape_steps_aside_while_tracing(monkeypatch):
     x = torch.randn(1, 7, 8, 32)
     monkeypatch.setattr(torch.jit, "is_tracing", lambda: True)
     assert "traced" in tape.route(block, block_def.block_parts(block), x)
-    assert "_tape_plans" not in block.__dict__
+    assert "_tape_settings" not in block.__dict__

@@ -144,7 +144,8 @@ def mlp(ex, p, x):
     return ex.module(p.drop2, ex.linear(p.fc2, ex.module(p.mlp_norm, h)))
 
 
-def _hooked(m: nn.Module) -> bool:
+def hooked(m: nn.Module) -> bool:
+    """Whether ``m`` has forward or backward hooks of its own."""
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
@@ -168,7 +169,7 @@ class OpsExecutor:
 
     def section(self, module, fn, p, x):
         """``fn(self, p, x)``, or the module's own call where it is hooked or of a type ``fn`` does not compute."""
-        if _hooked(module) or type(module) is not SECTION_TYPES.get(fn):
+        if hooked(module) or type(module) is not SECTION_TYPES.get(fn):
             return module(x)
         return fn(self, p, x)
 

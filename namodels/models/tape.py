@@ -275,7 +275,7 @@ def _cached_structure_refusal(block, p: B.BlockParts) -> str | None:
 
 def _hooks_or_dropout(p: B.BlockParts) -> str | None:
     for name, m in zip(B.BlockParts._fields[:15], p[:15]):
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        if B.hooked(m):
             return f"hooks on {name}"
     if (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
             or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks):
@@ -339,7 +339,7 @@ def route(block, p: B.BlockParts, x: torch.Tensor) -> BlockSettings | str:
     grad = torch.is_grad_enabled() and (x.requires_grad or any(w is not None and w.requires_grad for w in weights))
     key = (x.shape, x.dtype, x.device, autocast, torch.get_autocast_dtype(device) if autocast else None, grad,
            p.attn.backend, current_backend(), weights[0].dtype)
-    cache = block.__dict__.setdefault("_tape_plans", {})
+    cache = block.__dict__.setdefault("_tape_settings", {})
     settings = cache.get(key)
     if settings is None:
         settings = _settings(p, weights, x, autocast, grad)
