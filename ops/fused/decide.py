@@ -378,7 +378,8 @@ def forward_plan(q, k, v, rpb, params: NAParams, scale: float, need_lse: bool = 
     if plan is None:
         plan = decide_forward(q, k, v, rpb, params, scale, need_lse, host_descriptors)
         # keyed after deciding: a decision may load or add to the tuning cache, which the key's tuner state counts
-        _remember(_forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors), plan)
+        launch.remember_plan(_PLANS, _forward_key(q, k, v, rpb, params, scale, need_lse, host_descriptors), plan,
+                             MAX_PLANS)
     return plan
 
 
@@ -389,15 +390,8 @@ def backward_plan(q, k, v, rpb, out, lse, d_out, d_lse, params: NAParams, scale:
     plan = _PLANS.get(_backward_key(*key))
     if plan is None:
         plan = decide_backward(*key)
-        _remember(_backward_key(*key), plan)
+        launch.remember_plan(_PLANS, _backward_key(*key), plan, MAX_PLANS)
     return plan
-
-
-def _remember(key: tuple, plan) -> None:
-    """Keeps ``plan`` while the cache holds fewer than ``MAX_PLANS`` (a process that makes endless layouts keeps
-    deciding rather than growing)."""
-    if len(_PLANS) < MAX_PLANS:
-        _PLANS[key] = plan
 
 
 def plans(kind: str) -> list:

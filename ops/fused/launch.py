@@ -232,9 +232,10 @@ def _run_chunks(chunks: "decide.Chunks", tensors) -> None:
 MAX_PLANS = 1024
 
 
-def remember_plan(plans: dict, key: tuple, plan):
-    """Keeps ``plan`` under ``key`` while ``plans`` holds fewer than ``MAX_PLANS`` (``ops.layer_norm``'s launches)."""
-    if len(plans) < MAX_PLANS:
+def remember_plan(plans: dict, key: tuple, plan, limit: int = MAX_PLANS):
+    """Keeps ``plan`` under ``key`` while ``plans`` holds fewer than ``limit`` entries (a process that makes endless
+    layouts keeps deciding rather than growing); returns ``plan``."""
+    if len(plans) < limit:
         plans[key] = plan
     return plan
 
