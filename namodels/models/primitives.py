@@ -97,19 +97,23 @@ class LayerNorm:
         return (dx.view(shape) if needs[0] else None), dw, db, d_add, dgamma
 
 
-def mm_float32(a, b, _support: dict = {}):
+# per CUDA device: whether torch's mm writes float32 from 16-bit inputs (``out_dtype=``)
+_MM_OUT_DTYPE: dict = {}
+
+
+def mm_float32(a, b):
     """``a @ b`` as float32: written so by the GEMM where torch has ``mm(..., out_dtype=)`` (CUDA), else cast."""
     if a.dtype == torch.float32:
         return torch.mm(a, b)
     if a.is_cuda:
-        ok = _support.get(a.device)
+        ok = _MM_OUT_DTYPE.get(a.device)
         if ok is None:
             try:
                 torch.mm(a[:1, :1], b[:1, :1], out_dtype=torch.float32)
                 ok = True
             except (TypeError, RuntimeError, NotImplementedError):
                 ok = False
-            _support[a.device] = ok
+            _MM_OUT_DTYPE[a.device] = ok
         if ok:
             return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a, b).float()
