@@ -56,23 +56,19 @@ class InputWaitMonitor(Callback):
         if fraction > self.threshold and self._warned_epoch != trainer.current_epoch:
             self._warned_epoch = trainer.current_epoch
             log.warning("input-bound: training waited for its input %.0f%% of the last %d batches (%s); %s",
-                        100 * fraction, self.every_n_batches, _describe(trainer), _advice(trainer))
+                        100 * fraction, self.every_n_batches, *_describe(trainer))
         self._window_start, self._waited = now, 0.0
 
 
-def _advice(trainer) -> str:
-    dm = getattr(trainer, "datamodule", None)
-    if hasattr(dm, "pipeline") and isinstance(getattr(dm, "cfg", None), dict) and dm.pipeline() == "gpu":
-        return "more GPU loader processes (data.gpu.workers) would feed it faster"
-    return "the GPU input pipeline (data.pipeline=gpu) or more loader workers (data.num_workers) would feed it faster"
-
-
-def _describe(trainer) -> str:
+def _describe(trainer) -> tuple[str, str]:
+    """``(the data settings that change the wait, which of them to raise)``."""
     dm = getattr(trainer, "datamodule", None)
     cfg = getattr(dm, "cfg", None)
+    advice = "the GPU input pipeline (data.pipeline=gpu) or more loader workers (data.num_workers) would feed it faster"
     if not isinstance(cfg, dict):
-        return "no data module settings"
+        return "no data module settings", advice
     pipeline = dm.pipeline() if hasattr(dm, "pipeline") else "cpu"
     if pipeline == "gpu":
-        return f"data.pipeline resolved to gpu, data.gpu.workers={(cfg.get('gpu') or {}).get('workers')}"
-    return f"data.pipeline resolved to {pipeline}, data.num_workers={cfg.get('num_workers', 0)}"
+        return (f"data.pipeline resolved to gpu, data.gpu.workers={(cfg.get('gpu') or {}).get('workers')}",
+                "more GPU loader processes (data.gpu.workers) would feed it faster")
+    return f"data.pipeline resolved to {pipeline}, data.num_workers={cfg.get('num_workers', 0)}", advice
