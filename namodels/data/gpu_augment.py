@@ -530,9 +530,18 @@ def _histogram(x: torch.Tensor) -> torch.Tensor:
 
 
 def _point(x: torch.Tensor, codes: torch.Tensor, arg: torch.Tensor, needs_histogram: bool) -> torch.Tensor:
-    """Point ops as one lookup table per sample-channel: Invert, Posterize (bits kept; <= 0 bits: black, >= 8:
-    unchanged), Solarize (threshold), SolarizeAdd (add below 128, capped at 255), and from histograms
-    ImageOps.autocontrast (min/max stretch, truncated) and ImageOps.equalize (PIL's step rule)."""
+    """Point ops as one lookup table per sample-channel (:func:`point_tables`), applied."""
+    n, c, h, w = x.shape
+    lut = point_tables(x, codes, arg, needs_histogram)
+    out = lut.reshape(n * c, 256).gather(1, x.reshape(n * c, h * w).long())
+    return out.to(torch.uint8).view(n, c, h, w)
+
+
+def point_tables(x: torch.Tensor, codes: torch.Tensor, arg: torch.Tensor, needs_histogram: bool) -> torch.Tensor:
+    """Per sample-channel 256-entry lookup tables, int64 ``[N, C, 256]``, of the point ops ``codes`` (any other
+    code: the identity): Invert, Posterize (bits kept; <= 0 bits: black, >= 8: unchanged), Solarize (threshold),
+    SolarizeAdd (add below 128, capped at 255), and from histograms of ``x`` ImageOps.autocontrast (min/max
+    stretch, truncated) and ImageOps.equalize (PIL's step rule)."""
     n, c, h, w = x.shape
     k = codes.view(n, 1, 1)
     a = arg.view(n, 1, 1)
@@ -559,8 +568,7 @@ def _point(x: torch.Tensor, codes: torch.Tensor, arg: torch.Tensor, needs_histog
         equalized = ((step // 2 + before) // step.clamp(min=1)).clamp(max=255)
         usable = (present.sum(-1, keepdim=True) > 1) & (step > 0)
         lut = torch.where((k == _EQUALIZE) & usable, equalized, lut)
-    out = lut.reshape(n * c, 256).gather(1, x.reshape(n * c, h * w).long())
-    return out.to(torch.uint8).view(n, c, h, w)
+    return lut
 
 
 def _cubic(v1, v2, v3, v4, d):
@@ -736,15 +744,30 @@ class GPUAugment:
             steps += _color_jitter_steps(params.color_jitter)
         return steps
 
-    def apply(self, images: torch.Tensor, params: AugmentParams) -> torch.Tensor:
-        """Runs the drawn augmentation on ``images`` (uint8 [B, 3, H, W], any device)."""
+    def apply(self, images: torch.Tensor, params: AugmentParams, kernels: Optional[bool] = None) -> torch.Tensor:
+        """Runs the drawn augmentation on ``images`` (uint8 [B, 3, H, W], any device).
+
+        ``kernels``: flips and RandAugment as one Triton launch per layer
+        (:mod:`namodels.data.gpu_augment_kernel`, the same arithmetic) instead of the batched torch ops; by
+        default on CUDA batches where Triton is installed.  ColorJitter always takes the torch ops."""
         _check_images(images)
         if tuple(images.shape[2:]) != tuple(params.image_size) or params.hflip.numel() != images.shape[0]:
             raise ValueError(f"images: shape {tuple(images.shape)} does not match the drawn parameters "
                              f"(batch {params.hflip.numel()}, size {params.image_size})")
+        from . import gpu_augment_kernel
+
+        if kernels is None:
+            kernels = images.device.type == "cuda" and gpu_augment_kernel.available()
+        if kernels:
+            images = gpu_augment_kernel.apply_layers(self, images, params)
+            steps = _color_jitter_steps(params.color_jitter) if params.color_jitter is not None else []
+            return self._run(images, steps) if steps else images
         steps = self.plan(params)
         if not steps:
             return images.clone()
+        return self._run(images, steps)
+
+    def _run(self, images: torch.Tensor, steps: list) -> torch.Tensor:
         # one host -> device copy per dtype for every index and parameter tensor of the call
         host = [torch.tensor(self.fill, dtype=torch.float32)]
         for step in steps:

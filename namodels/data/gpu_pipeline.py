@@ -8,7 +8,7 @@ sample's RandomResizedCrop box drawn), then, as the batch's collate function, on
    CPU, and one nobody can decode is skipped and reported like an unreadable file;
 2. crops each image to its box and resizes it to the training size with its interpolation (antialiased, as PIL
    resizes in timm's transform), or for validation resizes the short side to ``img_size / crop_pct`` and takes the
-   centre crop (timm's eval transform);
+   centre crop (timm's eval transform), the whole batch in one launch (:mod:`namodels.data.gpu_resize`);
 3. applies the batch's augmentations with per-sample random parameters (:class:`~namodels.data.gpu_augment.GPUAugment`:
    flips, RandAugment or colour jitter), drawn from a generator seeded by the worker's seed, which the loader
    derives from the run's seed and the epoch.
@@ -25,22 +25,13 @@ import logging
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .decoding import UnreadableImage, open_rgb
 from .encoded import EncodedBatch, EncodedSample, _chw, collate_encoded
 from .gpu_decode import make_decoder
+from .gpu_resize import resize_crops
 
 log = logging.getLogger(__name__)
-
-
-def _resize(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
-    """uint8 ``[3, h, w]`` -> float ``[3, *size]`` in 0..255 (antialiased, PIL's filters)."""
-    return F.interpolate(image[None].float(), size=size, mode=mode, antialias=True, align_corners=False)[0]
-
-
-def _to_uint8(images: torch.Tensor) -> torch.Tensor:
-    return images.round_().clamp_(0, 255).to(torch.uint8)
 
 
 class _Stage:
@@ -104,11 +95,9 @@ class TrainStage(_Stage):
         targets = torch.tensor([s.target for s, _ in images], dtype=torch.long)
         if not images:
             return None, None, skipped
-        out = torch.empty((len(images), 3, *self.size), device=self.device)
-        for k, (sample, image) in enumerate(images):
-            top, left, h, w = sample.crop
-            out[k] = _resize(image[:, top:top + h, left:left + w], self.size, sample.interpolation)
-        out = _to_uint8(out)
+        out = resize_crops([image for _, image in images], [sample.crop for sample, _ in images],
+                           [(*self.size, 0, 0)] * len(images), [sample.interpolation for sample, _ in images],
+                           self.size)
         if self.augment is not None:
             out = self.augment(out, generator)
         return out, targets.to(self.device, non_blocking=True), skipped
@@ -133,13 +122,14 @@ class ValStage(_Stage):
         targets = torch.tensor([s.target for s, _ in images], dtype=torch.long)
         if not images:
             return None, None, skipped
-        out = torch.empty((len(images), 3, self.size, self.size), device=self.device)
-        for k, (_, image) in enumerate(images):
+        windows, placements = [], []
+        for _, image in images:
             h, w = self.resized_size(*image.shape[1:])
-            resized = _resize(image, (h, w), self.interpolation)
-            top, left = int(round((h - self.size) / 2.0)), int(round((w - self.size) / 2.0))
-            out[k] = resized[:, top:top + self.size, left:left + self.size]
-        return _to_uint8(out), targets.to(self.device, non_blocking=True), skipped
+            windows.append((0, 0, *image.shape[1:]))
+            placements.append((h, w, int(round((h - self.size) / 2.0)), int(round((w - self.size) / 2.0))))
+        out = resize_crops([image for _, image in images], windows, placements, [self.interpolation] * len(images),
+                           (self.size, self.size))
+        return out, targets.to(self.device, non_blocking=True), skipped
 
 
 class GPUCollate:
