@@ -16,7 +16,7 @@ from namodels.benchmark.input_pipeline import MODEL_DATA, data_config
 from namodels.benchmark.jpeg_folder import make_folder
 from namodels.data.datamodule import ClassificationDataModule
 from namodels.data.encoded import CropSampler, EncodedImages, collate_encoded
-from namodels.data.gpu_pipeline import GPUCollate, TrainStage, ValStage
+from namodels.data.gpu_pipeline import GPUCollate, StagedLoader, TrainStage, ValStage
 
 CPU = torch.device("cpu")
 
@@ -158,10 +158,21 @@ def test_sample_seeds_make_batches_independent_of_workers_and_their_age(folder):
             out.append([(x.clone(), y.clone()) for x, y, _ in loader])
         return out
 
+    def staged(workers, count=2):
+        sampler = EpochSampler(encoded, 2, 0, 7, 0, torch.Generator(), sample_seeds=True)
+        loader = StagedLoader(encoded, TrainStage("auto", CPU, 24, flip), 0, ahead=2, batch_size=4,
+                              sampler=sampler, num_workers=workers, persistent_workers=workers > 0)
+        out = []
+        for epoch in range(count):
+            sampler.set_epoch(epoch)
+            out.append([(x.clone(), y.clone()) for x, y, _ in loader])
+        return out
+
     inline, pooled = epochs(0), epochs(2)
-    for a, b in zip(inline, pooled):
-        assert len(a) == len(b) > 0
-        assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
+    for other in (pooled, staged(0), staged(2)):  # the stage in the workers or in this process
+        for a, b in zip(inline, other):
+            assert len(a) == len(b) > 0
+            assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
     assert not all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(inline[0], inline[1]))  # epochs differ
     other = epochs(0, rank=1, count=1)[0]
     assert not all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(inline[0], other))  # ranks differ

@@ -38,7 +38,7 @@ from .device_transforms import DeviceNormalize
 from .encoded import CropSampler, EncodedImages, collate_encoded
 from .gpu_augment import GPUAugment
 from .gpu_decode import DECODERS
-from .gpu_pipeline import GPUCollate, TrainStage, ValStage
+from .gpu_pipeline import GPUCollate, StagedLoader, TrainStage, ValStage
 from .sources import FORMATS, SyntheticImages, build_splits, check_paths
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ DEFAULT_AUGMENT = dict(
     interpolation="random", re_prob=0.0, re_mode="pixel", re_count=1,
 )
 DEFAULT_EVAL = dict(crop_pct=None, interpolation=None, mean=None, std=None)
-DEFAULT_GPU = dict(decoder="auto", workers=6, prefetch=2)
+DEFAULT_GPU = dict(decoder="auto", launcher="main", workers=6, prefetch=2)
+LAUNCHERS = ("main", "workers")
 PIPELINES = ("auto", "gpu", "cpu")
 FILE_FORMATS = ("folder", "tar", "image_folder")  # the formats with files to decode
 GPU_WORKER_TIMEOUT_S = 300
@@ -179,6 +180,7 @@ class ClassificationDataModule(pl.LightningDataModule):
         if unknown:
             raise ValueError(f"data.gpu: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_GPU)}")
         check_choice("data.gpu.decoder", gpu["decoder"], DECODERS)
+        check_choice("data.gpu.launcher", gpu["launcher"], LAUNCHERS)
         check_range("data.gpu.workers", gpu["workers"], 0, integer=True)
         check_range("data.gpu.prefetch", gpu["prefetch"], 1, integer=True)
         cfg["gpu"] = gpu
@@ -255,8 +257,12 @@ class ClassificationDataModule(pl.LightningDataModule):
         instead of once per epoch and validation pass.  The training draws follow
         the sampler's per-sample seeds, so a worker's age changes nothing."""
         workers = int(self.cfg["gpu"]["workers"])
-        cuda = workers > 0 and stage.device.type == "cuda"
         _, rank, _ = self._distribution()
+        if self.cfg["gpu"]["launcher"] == "main":
+            return StagedLoader(dataset, stage, rank, ahead=int(self.cfg["gpu"]["prefetch"]), batch_size=batch_size,
+                                num_workers=workers, persistent_workers=workers > 0,
+                                prefetch_factor=4 if workers else None, **kwargs)
+        cuda = workers > 0 and stage.device.type == "cuda"
         return DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=GPUCollate(stage, rank),
                           multiprocessing_context=cuda_worker_context() if cuda else None,
                           persistent_workers=workers > 0,

@@ -22,9 +22,11 @@ stream as for every pipeline (:mod:`namodels.data.device_transforms`), mixup / c
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Callable
 
 import torch
+from torch.utils.data import DataLoader
 
 from .decoding import UnreadableImage, open_rgb
 from .encoded import EncodedBatch, EncodedSample, _chw, collate_encoded
@@ -148,7 +150,10 @@ class GPUCollate:
         return {**self.__dict__, "_generator": None}
 
     def __call__(self, samples):
-        batch = collate_encoded(samples)
+        return self.run(collate_encoded(samples))
+
+    def run(self, batch: EncodedBatch):
+        """The stage on an already collated batch."""
         seeds = [s.seed for s in batch.samples if s.seed is not None]
         if seeds:
             return self.stage(batch, torch.Generator().manual_seed((seeds[0] + 1) % 2 ** 63))
@@ -161,3 +166,67 @@ def _bytes_io(data: torch.Tensor):
     import io
 
     return io.BytesIO(data.numpy().tobytes())
+
+
+class StagedLoader(DataLoader):
+    """A DataLoader whose workers only read files (:class:`EncodedBatch`, no CUDA) and whose iterator runs
+    ``stage`` in this process, on a side CUDA stream, ``ahead`` batches before the consumer takes them.
+
+    One process launches all the GPU work, so the pipeline's kernels share the training process's CUDA context:
+    the GPU overlaps them with the training step's kernels instead of switching between the contexts of separate
+    loader processes, which it does in time slices.  The host work per batch is small (one decode call, one
+    resize launch, one launch per augmentation layer), done while the GPU runs the previous step.  A batch
+    handed over is made current-stream safe: the consumer's stream waits for the side stream's event and the
+    batch's memory is recorded on it."""
+
+    def __init__(self, dataset, stage, rank: int = 0, ahead: int = 2, **kwargs):
+        kwargs["collate_fn"] = collate_encoded
+        super().__init__(dataset, **kwargs)
+        self.stage, self.rank, self.ahead = stage, int(rank), int(ahead)
+        self.runner = GPUCollate(stage, rank)
+
+    def __iter__(self):
+        return _StagedBatches(super().__iter__(), self.runner, self.stage.device, self.ahead)
+
+
+class _StagedBatches:
+    def __init__(self, batches, runner: GPUCollate, device: torch.device, ahead: int):
+        self.batches, self.runner, self.device, self.ahead = batches, runner, device, max(1, ahead)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending: deque = deque()
+        self.exhausted = False
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        return len(self.batches)
+
+    def _launch(self) -> None:
+        while not self.exhausted and len(self.pending) < self.ahead:
+            try:
+                batch = next(self.batches)
+            except StopIteration:
+                self.exhausted = True
+                return
+            if self.stream is None:
+                self.pending.append((self.runner.run(batch), None))
+                continue
+            with torch.cuda.stream(self.stream):
+                out = self.runner.run(batch)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.pending.append((out, event))
+
+    def __next__(self):
+        self._launch()
+        if not self.pending:
+            raise StopIteration
+        out, event = self.pending.popleft()
+        if event is not None:
+            consumer = torch.cuda.current_stream(self.device)
+            consumer.wait_event(event)
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(consumer)
+        return out
