@@ -22,7 +22,6 @@ import torch
 log = logging.getLogger(__name__)
 
 DECODERS = ("auto", "nvimgcodec", "torchvision")
-CPU_THREADS = 2
 
 
 def _nvimgcodec():
@@ -39,15 +38,15 @@ class NvImgCodecDecoder:
 
     name = "nvimgcodec"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cpu_threads: int):
         codec = _nvimgcodec()
         if codec is None:
             raise ImportError("data.gpu.decoder: 'nvimgcodec' needs the packages nvidia-nvimgcodec-cu13 and "
                               "nvidia-nvjpeg (pip install nvidia-nvimgcodec-cu13[nvjpeg])")
         self.codec = codec
-        # a few host threads per decoder: each loader worker has its own decoder
+        # host threads parse the files (and run the Huffman stage of what the hardware decoder does not take)
         self.decoder = codec.Decoder(device_id=device.index if device.index is not None else 0,
-                                     max_num_cpu_threads=CPU_THREADS)
+                                     max_num_cpu_threads=cpu_threads)
         # PIL, and so the CPU pipeline, ignores EXIF orientation: the GPU pipeline must see the same pixels
         self.params = codec.DecodeParams(apply_exif_orientation=False, color_spec=codec.ColorSpec.SRGB,
                                          allow_any_depth=False, sample_format=codec.SampleFormat.I_RGB)
@@ -108,15 +107,16 @@ class TorchvisionDecoder:
             return out
 
 
-def make_decoder(name: str, device: torch.device):
-    """The decoder ``name`` (one of :data:`DECODERS`) for ``device``; logs which one ``auto`` took and why."""
+def make_decoder(name: str, device: torch.device, cpu_threads: int = 2):
+    """The decoder ``name`` (one of :data:`DECODERS`) for ``device`` with ``cpu_threads`` host threads (nvImageCodec);
+    logs which one ``auto`` took and why."""
     if name not in DECODERS:
         raise ValueError(f"data.gpu.decoder: expected one of {DECODERS}, got {name!r}")
     if device.type != "cuda":
         return TorchvisionDecoder(device)
     if name in ("auto", "nvimgcodec"):
         try:
-            decoder = NvImgCodecDecoder(device)
+            decoder = NvImgCodecDecoder(device, cpu_threads)
             log.info("GPU input pipeline: JPEGs decoded by nvImageCodec %s", getattr(decoder.codec, "__version__", ""))
             return decoder
         except (ImportError, RuntimeError) as err:

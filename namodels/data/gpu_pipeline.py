@@ -35,6 +35,8 @@ from .gpu_resize import resize_crops
 
 log = logging.getLogger(__name__)
 
+DECODER_THREADS = 8  # the decoder's host threads when the training process decodes for itself
+
 
 class _Stage:
     """Decoding shared by the training and validation stages.  The decoder is made on first use in the process
@@ -42,6 +44,7 @@ class _Stage:
 
     def __init__(self, decoder: str, device: torch.device):
         self.decoder_name, self.device = decoder, torch.device(device)
+        self.decoder_threads = 2  # per process that decodes: many loader processes, or the training process alone
         self._decoder = None
         self.cpu_decodes = 0  # files the GPU decoder refused (decoded on the CPU instead)
 
@@ -53,7 +56,7 @@ class _Stage:
         if self._decoder is None:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            self._decoder = make_decoder(self.decoder_name, self.device)
+            self._decoder = make_decoder(self.decoder_name, self.device, self.decoder_threads)
         return self._decoder
 
     def decode(self, batch: EncodedBatch) -> tuple[list[tuple[EncodedSample, torch.Tensor]], list[str]]:
@@ -183,6 +186,7 @@ class StagedLoader(DataLoader):
         kwargs["collate_fn"] = collate_encoded
         super().__init__(dataset, **kwargs)
         self.stage, self.rank, self.ahead = stage, int(rank), int(ahead)
+        stage.decoder_threads = DECODER_THREADS
         self.runner = GPUCollate(stage, rank)
 
     def __iter__(self):
