@@ -108,17 +108,19 @@ def resize_crops(images: Sequence[torch.Tensor], windows: Sequence, placements: 
         rows.append([offset, *strides, *window, *placement, MODES.index(mode)])
         offset += flat.numel()
     packed = torch.cat(flats) if n > 1 else flats[0]
-    params = torch.tensor(rows, dtype=torch.int64)
+    layout = torch.tensor(rows, dtype=torch.int64)
     if device.type == "cuda":
-        params = params.pin_memory().to(device, non_blocking=True)
+        layout = layout.pin_memory().to(device, non_blocking=True)
     grid = (n, triton.cdiv(size[0], BLOCK) * triton.cdiv(size[1], BLOCK))
-    _resize_kernel[grid](packed, out, params, size[0], size[1], PARAMS=params.shape[1], BLOCK_Y=BLOCK, BLOCK_X=BLOCK)
+    # (a kernel argument may not be called ``params``: Triton's generated binder uses that name)
+    _resize_kernel[grid](packed, out, layout, size[0], size[1], COLUMNS=layout.shape[1], BLOCK_Y=BLOCK,
+                         BLOCK_X=BLOCK)
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _filter(x, BICUBIC):
+    def _filter(x, BICUBIC: tl.constexpr):
         """torch's antialias filters: the triangle, or the cubic with a = -0.5 (PIL's)."""
         ax = tl.abs(x)
         if BICUBIC:
@@ -129,10 +131,13 @@ if triton is not None:
         return tl.maximum(1.0 - ax, 0.0)
 
     @triton.jit
-    def _span(index, offset, in_size, out_size, HALF: tl.constexpr):
+    def _span(index, offset, in_size, out_size, BICUBIC: tl.constexpr):
         """Per output index: the first source index, the tap count, the filter's centre and 1 / max(scale, 1)."""
         scale = in_size.to(tl.float32) / out_size.to(tl.float32)
-        support = tl.where(scale >= 1.0, HALF * scale, HALF)
+        if BICUBIC:  # the filter's radius: 2 (cubic) or 1 (triangle), widened by the downscale factor
+            support = tl.where(scale >= 1.0, 2.0 * scale, 2.0)
+        else:
+            support = tl.where(scale >= 1.0, scale, 1.0)
         invscale = tl.where(scale >= 1.0, 1.0 / scale, 1.0)
         centre = scale * ((index + offset).to(tl.float32) + 0.5)
         first = tl.maximum((centre - support + 0.5).to(tl.int32), 0)
@@ -141,7 +146,7 @@ if triton is not None:
         return first, count, centre, invscale, taps
 
     @triton.jit
-    def _weight_sum(first, count, centre, invscale, taps, BICUBIC):
+    def _weight_sum(first, count, centre, invscale, taps, BICUBIC: tl.constexpr):
         total = tl.zeros_like(centre)
         for j in range(0, taps):
             w = _filter((j + first - centre + 0.5) * invscale, BICUBIC)
@@ -151,12 +156,11 @@ if triton is not None:
     @triton.jit
     def _resize_tile(src, out_ptr, sc, sr, sx, top, left, h, w, rh, rw, oy, ox, SIZE_Y, SIZE_X, pid_t,
                      BICUBIC: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_X: tl.constexpr):
-        HALF: tl.constexpr = 2.0 if BICUBIC else 1.0
         tiles_x = tl.cdiv(SIZE_X, BLOCK_X)
         iy = (pid_t // tiles_x) * BLOCK_Y + tl.arange(0, BLOCK_Y)
         ix = (pid_t % tiles_x) * BLOCK_X + tl.arange(0, BLOCK_X)
-        y0, ny, cy, sy, taps_y = _span(iy, oy, h, rh, HALF)
-        x0, nx, cx, sxs, taps_x = _span(ix, ox, w, rw, HALF)
+        y0, ny, cy, sy, taps_y = _span(iy, oy, h, rh, BICUBIC)
+        x0, nx, cx, sxs, taps_x = _span(ix, ox, w, rw, BICUBIC)
         total_y = _weight_sum(y0, ny, cy, sy, taps_y, BICUBIC)
         total_x = _weight_sum(x0, nx, cx, sxs, taps_x, BICUBIC)
         keep = (iy < SIZE_Y)[:, None] & (ix < SIZE_X)[None, :]
@@ -184,13 +188,13 @@ if triton is not None:
             tl.store(dst, r.to(tl.uint8), mask=keep)
 
     @triton.jit
-    def _resize_kernel(src, out, params, SIZE_Y, SIZE_X, PARAMS: tl.constexpr, BLOCK_Y: tl.constexpr,
+    def _resize_kernel(src, out, layout, SIZE_Y, SIZE_X, COLUMNS: tl.constexpr, BLOCK_Y: tl.constexpr,
                        BLOCK_X: tl.constexpr):
-        """Program (sample, output tile).  ``params`` rows: offset, channel/row/column strides, window (top, left,
+        """Program (sample, output tile).  ``layout`` rows: offset, channel/row/column strides, window (top, left,
         height, width), placement (resized height, width, offset y, x), mode (0 bilinear, 1 bicubic)."""
         b = tl.program_id(0)
         pid_t = tl.program_id(1)
-        row = params + b * PARAMS
+        row = layout + b * COLUMNS
         base = src + tl.load(row)
         sc, sr, sx = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
         top, left = tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32)
