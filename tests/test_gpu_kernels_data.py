@@ -108,3 +108,40 @@ def test_mixed_batches_match_torch_ops(config):
         params = aug.draw(12, (19, 23), torch.Generator().manual_seed(seed + 10))
         ours = aug.apply(x, params, kernels=True)
         assert torch.equal(ours, aug.apply(x, params, kernels=False)), (config, seed)
+
+
+COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from namodels.data import gpu_augment_kernel as aug, gpu_resize as resize
+
+# names Triton's generated argument binder assigns before it specialises the arguments
+RESERVED = {"params", "specialization", "options", "backend", "specialize_impl"}
+
+def build(fn, pointers, ints, constants, **options):
+    assert not RESERVED & set(fn.arg_names), fn.arg_names
+    signature = {**pointers, **{name: "i32" for name in ints}, **{name: "constexpr" for name in constants}}
+    triton.compile(triton.compiler.ASTSource(fn, signature, constants, {}), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, **options})
+
+build(resize._resize_kernel, {"src": "*u8", "out": "*u8", "layout": "*i64"}, ("SIZE_Y", "SIZE_X"),
+      {"COLUMNS": 13, "BLOCK_Y": resize.BLOCK, "BLOCK_X": resize.BLOCK})
+for has_lut in (True, False):
+    build(aug._layer_kernel, {"src": "*u8", "dst": "*u8", "lut": "*u8", "mean": "*fp32", "rows": "*fp64"}, ("H", "W"),
+          {"HAS_LUT": has_lut, "HAS_MEAN": not has_lut, "P": aug.PARAMS, "BLOCK_Y": aug.BLOCK, "BLOCK_X": aug.BLOCK},
+          enable_fp_fusion=False)
+"""
+
+
+def test_kernels_compile_for_hopper():
+    """The interpreter runs neither Triton's compiler nor its argument binder: compile both kernels for sm_90 offline
+    (ptxas ships with Triton), in a process without ``TRITON_INTERPRET``."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
