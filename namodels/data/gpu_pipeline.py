@@ -1,23 +1,28 @@
 """The device half of the GPU input pipeline: decode, crop and resize, augment, batched on the training GPU.
 
-Each loader worker (a process of its own, started by a fork server because it uses CUDA) reads a batch's files
-(:mod:`namodels.data.encoded`: encoded JPEGs, the few files only the CPU decodes as pixels, each training
-sample's RandomResizedCrop box drawn), then, as the batch's collate function, on the training GPU:
+Loader workers read a batch's files (:mod:`namodels.data.encoded`: encoded JPEGs, the few files only the CPU
+decodes as pixels, each training sample's RandomResizedCrop box drawn).  Then, on the training GPU:
 
-1. decodes the JPEGs batched (:mod:`namodels.data.gpu_decode`); a file the GPU decoder refuses is decoded on the
-   CPU, and one nobody can decode is skipped and reported like an unreadable file;
-2. crops each image to its box and resizes it to the training size with its interpolation (antialiased, as PIL
-   resizes in timm's transform), or for validation resizes the short side to ``img_size / crop_pct`` and takes the
-   centre crop (timm's eval transform), the whole batch in one launch (:mod:`namodels.data.gpu_resize`);
-3. applies the batch's augmentations with per-sample random parameters (:class:`~namodels.data.gpu_augment.GPUAugment`:
-   flips, RandAugment or colour jitter), drawn from a generator seeded by the worker's seed, which the loader
-   derives from the run's seed and the epoch.
+1. the JPEGs are decoded batched (:mod:`namodels.data.gpu_decode`); a file the GPU decoder refuses is decoded on
+   the CPU, and one nobody can decode is skipped and reported like an unreadable file;
+2. each image is cropped to its box and resized to the training size with its interpolation (antialiased, as PIL
+   resizes in timm's transform), or for validation resized on the short side to ``img_size / crop_pct`` and
+   centre-cropped (timm's eval transform), the whole batch in one launch (:mod:`namodels.data.gpu_resize`);
+3. the batch's augmentations run with per-sample random parameters (:class:`~namodels.data.gpu_augment.GPUAugment`:
+   flips, RandAugment as one launch per layer, or colour jitter), drawn from a generator seeded by the batch's
+   first sample seed (the sampler derives it from the run's seed, the epoch and the position).
 
-The batch reaches the training process as a CUDA tensor (CUDA IPC: no copy).  Launching a batch's kernels is
-Python work, long per batch (docs/performance.md, "Input pipeline", has its time); in worker processes it runs in parallel and off the training loop's
-interpreter, so the training step is not slowed by it and the rate grows with the worker count.  The result is the
-uint8 batch the CPU pipeline's workers would have made; normalisation and random erasing follow on the training
-stream as for every pipeline (:mod:`namodels.data.device_transforms`), mixup / cutmix in the task.
+Who launches that work (``data.gpu.launcher``):
+
+* ``main`` (:class:`StagedLoader`): the training process, on a side stream, a few batches ahead; the workers
+  only read files.  The pipeline's kernels then share the training process's CUDA context and overlap the
+  training step's kernels.
+* ``workers`` (:class:`GPUCollate` as the loaders' collate function): each loader process, in its own CUDA
+  context; the batch reaches the training process through CUDA IPC.  The GPU switches between contexts in time
+  slices, so the training step waits while a loader's kernels run (docs/performance.md has the cost).
+
+The result is the uint8 batch the CPU pipeline's workers would have made; normalisation and random erasing follow
+on the training stream as for every pipeline (:mod:`namodels.data.device_transforms`), mixup / cutmix in the task.
 """
 from __future__ import annotations
 
