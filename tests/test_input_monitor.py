@@ -27,11 +27,11 @@ class _Module:
         self.logged.append((name, value))
 
 
-def _run(monkeypatch, monitor, batches, load_s, step_s, transfer_s=0.0, pipeline="cpu"):
+def _run(monkeypatch, monitor, batches, load_s, step_s, transfer_s=0.0, pipeline="cpu", launcher="main"):
     """Simulated loop: wait ``load_s`` for a batch, stamp the hand-over, ``transfer_s`` of transfer, ``step_s``."""
     clock = _Clock()
     monkeypatch.setattr(input_monitor, "time", clock)
-    dm = SimpleNamespace(batch_fetched_at=None, cfg={"num_workers": 3, "gpu": {"workers": 6}},
+    dm = SimpleNamespace(batch_fetched_at=None, cfg={"num_workers": 3, "gpu": {"workers": 6, "launcher": launcher}},
                          pipeline=lambda: pipeline)
     trainer = SimpleNamespace(datamodule=dm, current_epoch=0)
     module = _Module()
@@ -57,12 +57,14 @@ def test_an_input_bound_loop_is_reported_once_per_epoch(monkeypatch, caplog):
     assert len(warnings) == 1 and "data.num_workers=3" in warnings[0].getMessage()
 
 
-def test_an_input_bound_gpu_pipeline_is_told_its_own_worker_setting(monkeypatch, caplog):
+@pytest.mark.parametrize("launcher, advice", [("main", "more file-reading loader workers (data.gpu.workers)"),
+                                              ("workers", "more GPU loader processes (data.gpu.workers)")])
+def test_an_input_bound_gpu_pipeline_is_told_its_own_worker_setting(monkeypatch, caplog, launcher, advice):
     monitor = InputWaitMonitor(threshold=0.2, every_n_batches=5)
     with caplog.at_level(logging.WARNING):
-        _run(monkeypatch, monitor, 6, load_s=0.010, step_s=0.005, pipeline="gpu")
+        _run(monkeypatch, monitor, 6, load_s=0.010, step_s=0.005, pipeline="gpu", launcher=launcher)
     (warning,) = [r.getMessage() for r in caplog.records if "input-bound" in r.getMessage()]
-    assert "data.gpu.workers=6" in warning and "more GPU loader processes (data.gpu.workers)" in warning
+    assert f"data.gpu.launcher={launcher}, data.gpu.workers=6" in warning and advice in warning
     assert "data.pipeline=gpu)" not in warning  # it runs already
 
 

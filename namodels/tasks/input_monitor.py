@@ -69,6 +69,11 @@ def _describe(trainer) -> tuple[str, str]:
         return "no data module settings", advice
     pipeline = dm.pipeline() if hasattr(dm, "pipeline") else "cpu"
     if pipeline == "gpu":
-        return (f"data.pipeline resolved to gpu, data.gpu.workers={(cfg.get('gpu') or {}).get('workers')}",
-                "more GPU loader processes (data.gpu.workers) would feed it faster")
+        gpu = cfg.get("gpu") or {}
+        settings = f"data.pipeline resolved to gpu, data.gpu.launcher={gpu.get('launcher')}, " \
+                   f"data.gpu.workers={gpu.get('workers')}"
+        if gpu.get("launcher") == "workers":
+            return settings, "more GPU loader processes (data.gpu.workers) would feed it faster"
+        return settings, ("more file-reading loader workers (data.gpu.workers) or more batches prepared ahead "
+                          "(data.gpu.prefetch) would feed it faster")
     return f"data.pipeline resolved to {pipeline}, data.num_workers={cfg.get('num_workers', 0)}", advice
