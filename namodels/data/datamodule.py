@@ -6,7 +6,8 @@ Two input pipelines (``data.pipeline``) make the same uint8 batches:
   workers on decoded PIL images;
 * ``gpu``: the workers read encoded files (and draw each sample's crop box); decoding (nvJPEG, the hardware
   JPEG engines through nvImageCodec where installed), crop and resize and the same augmentations run batched on
-  the training GPU, launched by the workers, a few batches ahead (:mod:`namodels.data.gpu_pipeline`).  A CPU's
+  the training GPU, launched on a side stream of the training process a few batches ahead (or by the loader
+  processes themselves: ``data.gpu.launcher``, :mod:`namodels.data.gpu_pipeline`).  A CPU's
   share of a GPU machine cannot decode and augment ImageNet as fast as one GPU trains NAT; the GPU pipeline can.
 
 ``auto`` takes ``gpu`` for image files when the run trains on CUDA, else ``cpu``; in-memory sources (``digits``,
@@ -250,11 +251,12 @@ class ClassificationDataModule(pl.LightningDataModule):
         return "gpu"
 
     def _gpu_loader(self, dataset, stage, batch_size: int, **kwargs) -> DataLoader:
-        """A DataLoader whose workers read files and run ``stage`` on the GPU (started by a fork server: they use
-        CUDA, which a plain fork of the training process cannot, see :func:`cuda_worker_context`).
+        """A DataLoader that reads files in its workers and runs ``stage`` on the GPU: in this process on a side
+        stream (``data.gpu.launcher=main``, :class:`StagedLoader`), or in the workers (``workers``; started by a fork
+        server, as they use CUDA, which a plain fork of the training process cannot: :func:`cuda_worker_context`).
 
-        The workers persist across epochs: a worker's start (CUDA context, decoder) costs seconds, paid once per run
-        instead of once per epoch and validation pass.  The training draws follow
+        The workers persist across epochs: their start costs seconds (with a CUDA context and decoder each under
+        ``workers``), paid once per run instead of once per epoch and validation pass.  The training draws follow
         the sampler's per-sample seeds, so a worker's age changes nothing."""
         workers = int(self.cfg["gpu"]["workers"])
         _, rank, _ = self._distribution()
