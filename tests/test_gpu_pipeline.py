@@ -10,7 +10,6 @@ import pytest
 import torch
 from PIL import Image
 from timm.data.transforms import RandomResizedCropAndInterpolation
-from torchvision.transforms import functional as TF
 
 from namodels.benchmark.input_pipeline import MODEL_DATA, data_config
 from namodels.benchmark.jpeg_folder import make_folder
@@ -230,14 +229,48 @@ def test_gpu_decoders_match_the_cpu_path(folder, decoder):
         # nvJPEG upsamples chroma without libjpeg-turbo's smoothing: a few levels apart at colour edges
         assert diff.mean() < 3.0, (path, diff.mean().item())
 
-    # two spawned loader processes decode and augment on the GPU; the batches arrive through CUDA IPC
-    dm = _module(folder, pipeline="gpu", batch_size=8, gpu={"decoder": decoder, "workers": 2, "prefetch": 2})
-    loader = dm.train_dataloader()
-    count = 0
-    for images, targets, skipped in loader:
-        assert images.device.type == "cuda" and images.dtype == torch.uint8 and images.shape[1:] == (3, 224, 224)
-        count += images.shape[0] + len(skipped)
-    assert count == len(loader) * 8
+    # the training process launches the GPU work on a side stream, or two loader processes do (CUDA IPC)
+    for launcher in ("main", "workers"):
+        dm = _module(folder, pipeline="gpu", batch_size=8,
+                     gpu={"decoder": decoder, "launcher": launcher, "workers": 2, "prefetch": 2})
+        loader = dm.train_dataloader()
+        count = 0
+        for images, targets, skipped in loader:
+            assert images.device.type == "cuda" and images.dtype == torch.uint8 and images.shape[1:] == (3, 224, 224)
+            count += images.shape[0] + len(skipped)
+        assert count == len(loader) * 8, launcher
+
+
+@pytest.mark.gpu
+def test_staged_batches_are_complete_on_the_consumers_stream(folder):
+    """The side stream's work is slow (a GPU sleep before the augmentation): a consumer on the current stream still
+    reads finished batches, the same as the stage run synchronously on the current stream."""
+    from namodels.data.datamodule import EpochSampler
+
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA device")
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    dm = _module(folder)
+    encoded = EncodedImages(dm.train_set, CropSampler())
+
+    def slow_flip(x, g):
+        torch.cuda._sleep(20_000_000)
+        return x ^ torch.randint(0, 2, (x.shape[0], 1, 1, 1), generator=g, dtype=torch.uint8).to(x.device)
+
+    def batches(loader_type, **kwargs):
+        sampler = EpochSampler(encoded, 1, 0, 3, 0, torch.Generator(), sample_seeds=True)
+        stage = TrainStage("torchvision", cuda, 24, slow_flip)
+        if loader_type is StagedLoader:
+            loader = StagedLoader(encoded, stage, 0, ahead=3, batch_size=4, sampler=sampler, **kwargs)
+        else:
+            loader = torch.utils.data.DataLoader(encoded, batch_size=4, sampler=sampler,
+                                                 collate_fn=GPUCollate(stage, 0), **kwargs)
+        return [(x.clone(), y.clone()) for x, y, _ in loader]
+
+    staged, synchronous = batches(StagedLoader, num_workers=2), batches(torch.utils.data.DataLoader)
+    assert len(staged) == len(synchronous) > 0
+    for (x1, y1), (x2, y2) in zip(staged, synchronous):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
 @pytest.mark.parametrize("fmt", ["tar", "image_folder"])
