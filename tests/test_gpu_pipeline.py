@@ -187,6 +187,31 @@ def test_stage_errors_reach_the_training_process(folder):
                                          collate_fn=GPUCollate(TrainStage("auto", CPU, 16, broken)))
     with pytest.raises(RuntimeError, match="augment failed"):
         next(iter(loader))
+    staged = StagedLoader(EncodedImages(dm.train_set, CropSampler()), TrainStage("auto", CPU, 16, broken),
+                          batch_size=4)
+    batches = iter(staged)
+    with pytest.raises(RuntimeError, match="augment failed"):
+        next(batches)
+    with pytest.raises(StopIteration):  # the pass is over, not hung
+        next(batches)
+
+
+def test_staged_passes_stop_their_thread(folder):
+    """A pass left early (a step limit) stops its thread before the next pass resets the persistent workers;
+    a finished pass leaves no thread behind."""
+    import threading
+
+    dm = _module(folder)
+    identity = lambda x, g: x  # noqa: E731
+    loader = StagedLoader(EncodedImages(dm.train_set, CropSampler()), TrainStage("auto", CPU, 16, identity),
+                          ahead=1, batch_size=4, num_workers=2, persistent_workers=True)
+    first = iter(loader)
+    next(first)
+    full = list(loader)  # a new pass while the first one's thread waits to hand over more
+    assert not first.thread.is_alive()
+    assert len(full) == len(loader) == len(first)
+    assert not loader._running.thread.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "gpu-input-stage"]
 
 
 def test_pipeline_choice_and_its_errors(folder):

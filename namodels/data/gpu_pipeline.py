@@ -14,8 +14,8 @@ decodes as pixels, each training sample's RandomResizedCrop box drawn).  Then, o
 
 Who launches that work (``data.gpu.launcher``):
 
-* ``main`` (:class:`StagedLoader`): the training process, on a side stream, a few batches ahead; the workers
-  only read files.  The pipeline's kernels then share the training process's CUDA context and overlap the
+* ``main`` (:class:`StagedLoader`): the training process, on a thread and a side stream of its own, a few
+  batches ahead; the workers only read files.  The pipeline's kernels then share the training process's CUDA context and overlap the
   training step's kernels.
 * ``workers`` (:class:`GPUCollate` as the loaders' collate function): each loader process, in its own CUDA
   context; the batch reaches the training process through CUDA IPC.  The GPU switches between contexts in time
@@ -26,8 +26,10 @@ on the training stream as for every pipeline (:mod:`namodels.data.device_transfo
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections import deque
+import queue
+import threading
 from typing import Callable
 
 import torch
@@ -178,14 +180,16 @@ def _bytes_io(data: torch.Tensor):
 
 class StagedLoader(DataLoader):
     """A DataLoader whose workers only read files (:class:`EncodedBatch`, no CUDA) and whose iterator runs
-    ``stage`` in this process, on a side CUDA stream, ``ahead`` batches before the consumer takes them.
+    ``stage`` in this process, on a thread and a CUDA stream of its own, up to ``ahead`` batches before the
+    consumer takes them.
 
     One process launches all the GPU work, so the pipeline's kernels share the training process's CUDA context:
     the GPU overlaps them with the training step's kernels instead of switching between the contexts of separate
-    loader processes, which it does in time slices.  The host work per batch is small (one decode call, one
-    resize launch, one launch per augmentation layer), done while the GPU runs the previous step.  A batch
-    handed over is made current-stream safe: the consumer's stream waits for the side stream's event and the
-    batch's memory is recorded on it."""
+    loader processes, which it does in time slices.  The stage's host work per batch is small (one decode call,
+    one resize launch, one launch per augmentation layer) and runs beside the training loop: the decoder's wait
+    does not hold the loop up.  A batch handed over is safe on the consumer's current stream: that stream waits
+    for the stage's event and the batch's memory is recorded on it.  An error in the stage is raised by the
+    consumer's ``next``."""
 
     def __init__(self, dataset, stage, rank: int = 0, ahead: int = 2, **kwargs):
         kwargs["collate_fn"] = collate_encoded
@@ -193,45 +197,91 @@ class StagedLoader(DataLoader):
         self.stage, self.rank, self.ahead = stage, int(rank), int(ahead)
         stage.decoder_threads = DECODER_THREADS
         self.runner = GPUCollate(stage, rank)
+        self._running: _StagedBatches | None = None
 
     def __iter__(self):
-        return _StagedBatches(super().__iter__(), self.runner, self.stage.device, self.ahead)
+        # the previous pass's thread stops before the workers' iterator is reset for the next one
+        if self._running is not None:
+            self._running.close()
+        self._running = _StagedBatches(super().__iter__(), self.runner, self.stage.device, self.ahead)
+        return self._running
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+_END = object()
+STOP_WAIT_S = 60.0  # how long closing a pass waits for its thread to leave the workers' iterator
 
 
 class _StagedBatches:
+    """One pass of a :class:`StagedLoader`: the stage thread fills ``ready`` with ``(batch, event)``."""
+
     def __init__(self, batches, runner: GPUCollate, device: torch.device, ahead: int):
-        self.batches, self.runner, self.device, self.ahead = batches, runner, device, max(1, ahead)
+        self.batches, self.runner, self.device = batches, runner, device
+        self.length = len(batches)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.pending: deque = deque()
-        self.exhausted = False
+        self.ready: queue.Queue = queue.Queue(maxsize=max(1, ahead))
+        self.stop = threading.Event()
+        self.finished = False
+        self.thread = threading.Thread(target=self._work, name="gpu-input-stage", daemon=True)
+        self.thread.start()
 
     def __iter__(self):
         return self
 
     def __len__(self):
-        return len(self.batches)
+        return self.length
 
-    def _launch(self) -> None:
-        while not self.exhausted and len(self.pending) < self.ahead:
+    def _work(self) -> None:
+        try:
+            with torch.cuda.device(self.device) if self.stream is not None else contextlib.nullcontext():
+                for batch in self.batches:
+                    if self.stop.is_set():
+                        return
+                    if self.stream is None:
+                        item = (self.runner.run(batch), None)
+                    else:
+                        with torch.cuda.stream(self.stream):
+                            out = self.runner.run(batch)
+                            event = torch.cuda.Event()
+                            event.record(self.stream)
+                        item = (out, event)
+                    if not self._put(item):
+                        return
+            self._put(_END)
+        except BaseException as err:  # handed to the consumer, raised there
+            self._put(_Failure(err))
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
             try:
-                batch = next(self.batches)
-            except StopIteration:
-                self.exhausted = True
-                return
-            if self.stream is None:
-                self.pending.append((self.runner.run(batch), None))
+                self.ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
                 continue
-            with torch.cuda.stream(self.stream):
-                out = self.runner.run(batch)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            self.pending.append((out, event))
+        return False
 
     def __next__(self):
-        self._launch()
-        if not self.pending:
+        if self.finished:
             raise StopIteration
-        out, event = self.pending.popleft()
+        while True:
+            try:
+                item = self.ready.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.thread.is_alive() and self.ready.empty():
+                    self.finished = True
+                    raise RuntimeError("the GPU input stage's thread stopped without a batch or an error")
+        if item is _END or isinstance(item, _Failure):
+            self.finished = True
+            self.thread.join()
+            if item is _END:
+                raise StopIteration
+            raise item.error
+        out, event = item
         if event is not None:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_event(event)
@@ -239,3 +289,11 @@ class _StagedBatches:
                 if isinstance(t, torch.Tensor):
                     t.record_stream(consumer)
         return out
+
+    def close(self) -> None:
+        """Stops the thread (the batches it prepared are dropped)."""
+        self.finished = True
+        self.stop.set()
+        self.thread.join(STOP_WAIT_S)
+        if self.thread.is_alive():
+            log.warning("the GPU input stage's thread did not stop within %.0f s", STOP_WAIT_S)
