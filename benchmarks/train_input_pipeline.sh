@@ -5,7 +5,8 @@
 # training runs take $BATCHES steps: the folder run as many epochs of its training split as that needs.  Makes an
 # ImageNet-like folder first when $ROOT has none (namodels.benchmark.jpeg_folder).
 # Usage (repo root, after `pip install -e .`, on a GPU machine):
-#   [ROOT=/tmp/imagenet_like] [PIPELINE=gpu|cpu] [WORKERS=10 (CPU pipeline)] [GPU_WORKERS=6] [MPS=1] \
+#   [ROOT=/tmp/imagenet_like] [PIPELINE=gpu|cpu] [WORKERS=10 (CPU pipeline)] [GPU_WORKERS=6] [LAUNCHER=main|workers] \
+#       [MPS=1] \
 #       bash benchmarks/train_input_pipeline.sh \
 #       [experiments (default: nat_tiny_in1k dinat_tiny_in1k)] [-- extra train.py overrides, e.g. model.compile=false]
 # MPS=1 runs every process under an MPS control daemon of this user (started here, stopped at the end): the training
@@ -43,7 +44,7 @@ for exp in "${exps[@]}"; do
     if [ $data = synthetic ]; then src=(data=synthetic data.num_classes=100 data.train_samples=$((BATCHES * 128))
                                         trainer.max_epochs=1)
     else src=(data.root=$ROOT data.num_classes=100 data.pipeline=$PIPELINE data.num_workers=$WORKERS
-              data.gpu.workers=${GPU_WORKERS:-6} trainer.max_epochs=$epochs); fi
+              data.gpu.workers=${GPU_WORKERS:-6} data.gpu.launcher=${LAUNCHER:-main} trainer.max_epochs=$epochs); fi
     rm -rf /tmp/run_$tag
     timeout ${RUN_TIMEOUT:-540} python3 train.py experiment=$exp paths.output_dir=/tmp/run_$tag "${src[@]}" "${common[@]}" \
         "${extra[@]}" > "$OUT/$tag.log" 2>&1
@@ -71,5 +72,5 @@ for exp in exps:
 PY
 workers=$([ "$PIPELINE" = gpu ] && echo "${GPU_WORKERS:-6}" || echo "$WORKERS")
 timeout ${VAL_TIMEOUT:-240} python3 -m namodels.benchmark.input_pipeline "$ROOT" --splits val --pipelines "$PIPELINE" \
-    --workers "$workers" --batches 16 --warmup 2 --out "$OUT" > "$OUT/validation.log" 2>&1
+    --workers "$workers" --launchers "${LAUNCHER:-main}" --batches 16 --warmup 2 --out "$OUT" > "$OUT/validation.log" 2>&1
 echo "validation loader alone rc=$?"; tail -4 "$OUT/validation.log"

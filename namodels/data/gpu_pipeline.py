@@ -107,12 +107,17 @@ class TrainStage(_Stage):
         targets = torch.tensor([s.target for s, _ in images], dtype=torch.long)
         if not images:
             return None, None, skipped
-        out = resize_crops([image for _, image in images], [sample.crop for sample, _ in images],
-                           [(*self.size, 0, 0)] * len(images), [sample.interpolation for sample, _ in images],
-                           self.size)
+        out = self.crop(images)
         if self.augment is not None:
             out = self.augment(out, generator)
         return out, targets.to(self.device, non_blocking=True), skipped
+
+
+    def crop(self, images: list[tuple[EncodedSample, torch.Tensor]]) -> torch.Tensor:
+        """Each decoded image's RandomResizedCrop box resized to ``img_size``: uint8 ``[N, 3, S, S]``."""
+        return resize_crops([image for _, image in images], [sample.crop for sample, _ in images],
+                            [(*self.size, 0, 0)] * len(images), [sample.interpolation for sample, _ in images],
+                            self.size)
 
 
 class ValStage(_Stage):
