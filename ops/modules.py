@@ -26,6 +26,7 @@ class _NeighborhoodAttention(nn.Module):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         backend: str | None = None,
+        scale: float | None = None,
     ):
         super().__init__()
         if dim % num_heads != 0:
@@ -35,6 +36,7 @@ class _NeighborhoodAttention(nn.Module):
         if rel_pos_bias and any(probe.is_causal):
             raise ValueError("rel_pos_bias: relative positional bias is not defined on causal axes")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        self.scale = float(scale) if scale else self.head_dim ** -0.5  # the logit scale (None or 0: 1/sqrt(D))
         self.kernel_size, self.stride = probe.kernel_size, probe.stride
         self.dilation, self.is_causal = probe.dilation, probe.is_causal
         self.backend = backend
@@ -66,7 +68,7 @@ class _NeighborhoodAttention(nn.Module):
         else:
             out = neighborhood_attention_qkvpacked(
                 self.rank, qkv, self.kernel_size, self.stride, self.dilation, self.is_causal,
-                rpb=self.rpb, backend=self.backend,
+                rpb=self.rpb, scale=self.scale, backend=self.backend,
             )
         return self.proj_drop(self.proj(out.reshape(*x.shape[:-1], self.dim)))
 
@@ -74,7 +76,7 @@ class _NeighborhoodAttention(nn.Module):
         """Attention dropout needs the attention weights: the unfused (qk -> softmax -> av) path."""
         from .unfused import na_av, na_qk
 
-        logits = na_qk(self.rank, q * self.head_dim ** -0.5, k, self.kernel_size, self.stride, self.dilation,
+        logits = na_qk(self.rank, q * self.scale, k, self.kernel_size, self.stride, self.dilation,
                        self.is_causal, rpb=self.rpb)
         attn = self.attn_drop(torch.softmax(logits.float(), dim=-1).to(q.dtype))
         return na_av(self.rank, attn, v, self.kernel_size, self.stride, self.dilation, self.is_causal)
