@@ -6,6 +6,7 @@ NATTEN 0.17's switches choose among its own kernels; here the backend is chosen 
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -16,6 +17,7 @@ from .modules import NeighborhoodAttention1D, NeighborhoodAttention2D, Neighborh
 _IS_NAMODELS_COMPAT = True
 __version__ = VERSION
 log = logging.getLogger(__name__)
+context = sys.modules[__name__]  # natten.context: the switches below live in this module too
 
 __all__ = ["__version__", "functional", "NeighborhoodAttention1D", "NeighborhoodAttention2D",
            "NeighborhoodAttention3D", "na1d", "na2d", "na3d"]
