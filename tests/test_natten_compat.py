@@ -193,3 +193,86 @@ def test_install_refuses_to_shadow_a_real_natten(tmp_path, monkeypatch):
         assert natten.__version__ == natten_compat.VERSION
     finally:
         natten_compat.uninstall()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a real client: Hugging Face transformers 4.46.3's NAT and DiNAT, unmodified
+# ---------------------------------------------------------------------------------------------------------------
+# transformers 4.46.3 checks these at import: a private folder holds it with versions it accepts
+CLIENT = ["transformers==4.46.3", "huggingface-hub==0.26.5", "tokenizers==0.20.3"]
+
+CLIENT_RUN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from ops import natten_compat
+natten_compat.install()  # before transformers reads natten's availability
+import timm, transformers, namodels, ops
+from transformers import DinatConfig, DinatForImageClassification, NatConfig, NatForImageClassification
+from namodels.models.nat import checkpoint_filter_fn
+assert transformers.__version__ == "4.46.3", transformers.__version__
+device = torch.device(sys.argv[2])
+torch.manual_seed(0)
+for config, hf_class, ours in ((NatConfig, NatForImageClassification, "nat_mini"),
+                               (DinatConfig, DinatForImageClassification, "dinat_mini")):
+    hf = hf_class(config(num_labels=10)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("rpb"):  # transformers starts them at zero: give the bias something to do
+                p.normal_(0, 0.5)
+    model = timm.create_model(ours, num_classes=10).eval()
+    model.load_state_dict(checkpoint_filter_fn(hf.state_dict(), model))
+    hf, model = hf.to(device), model.to(device)
+    x = torch.randn(2, 3, 224, 224, device=device)
+    with torch.no_grad():
+        reference = hf(x).logits
+        for backend in sys.argv[3:]:
+            with ops.use_backend(backend):
+                logits = model(x)
+            print(ours, backend, ((logits - reference).norm() / reference.norm()).item())
+"""
+
+
+@pytest.fixture(scope="module")
+def transformers_4_46(tmp_path_factory):
+    import subprocess
+
+    folder = tmp_path_factory.mktemp("transformers_4_46_3")
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(folder),
+                          *CLIENT], capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        pytest.skip(f"{CLIENT[0]} could not be installed from the package registry: {run.stderr.strip()[-300:]}")
+    return str(folder)
+
+
+def _run_client(folder: str, device: str, backends: list[str]) -> dict:
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-c", CLIENT_RUN, folder, device, *backends], capture_output=True,
+                         text=True, timeout=900, cwd=root, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = {}
+    for line in run.stdout.splitlines():
+        model, backend, error = line.split()
+        errors[model, backend] = float(error)
+    assert set(errors) == {(m, b) for m in ("nat_mini", "dinat_mini") for b in backends}, run.stdout
+    return errors
+
+
+def test_transformers_nat_and_dinat_run_unmodified_on_the_layer(transformers_4_46):
+    """transformers' NatForImageClassification and DinatForImageClassification call natten2dqkrpb / natten2dav;
+    their logits equal our timm models' with the same weights (transformers' layout through the models'
+    checkpoint filter), with the naive and gemm backends on the CPU."""
+    errors = _run_client(transformers_4_46, "cpu", ["naive", "gemm"])
+    assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.gpu
+def test_transformers_nat_and_dinat_match_the_fused_backend_on_the_gpu(transformers_4_46):
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA device")
+    errors = _run_client(transformers_4_46, "cuda", ["fused"])
+    assert max(errors.values()) < 1e-5, errors
