@@ -170,7 +170,7 @@ def test_install_reports_a_version_and_uninstall_removes_it():
     try:
         assert importlib.util.find_spec("natten") is not None
         assert importlib.metadata.version("natten") == natten_compat.VERSION
-        from natten.functional import natten2dav, natten2dqkrpb  # noqa: F401  (what transformers imports)
+        from natten.functional import natten2dav, natten2dqkrpb  # noqa: F401 (what transformers imports)
     finally:
         natten_compat.uninstall()
     assert "natten" not in sys.modules and importlib.util.find_spec("natten") is None
