@@ -170,7 +170,9 @@ def test_install_reports_a_version_and_uninstall_removes_it():
     try:
         assert importlib.util.find_spec("natten") is not None
         assert importlib.metadata.version("natten") == natten_compat.VERSION
-        from natten.functional import natten2dav, natten2dqkrpb  # noqa: F401 (what transformers imports)
+        from natten.functional import natten2dav, natten2dqkrpb  # what transformers imports
+
+        assert natten2dqkrpb.__module__ == natten2dav.__module__ == "ops.natten_compat.functional"
     finally:
         natten_compat.uninstall()
     assert "natten" not in sys.modules and importlib.util.find_spec("natten") is None
@@ -276,3 +278,29 @@ def test_transformers_nat_and_dinat_match_the_fused_backend_on_the_gpu(transform
         pytest.fail("needs a CUDA device")
     errors = _run_client(transformers_4_46, "cuda", ["fused"])
     assert max(errors.values()) < 1e-5, errors
+
+
+def test_modules_and_functions_compile(natten):
+    """Under torch.compile the layer's modules are traced like ops' own (one graph with the backend pinned, as
+    ``tests/test_compile.py`` compiles the models), with gradients."""
+    torch._dynamo.reset()
+    module = natten.NeighborhoodAttention2D(8, 2, 3, dilation=2, rel_pos_bias=True)
+    module.backend = "fused"  # ops' modules take a backend; the interpreter runs it on the CPU
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    x = torch.randn(1, 6, 6, 8, requires_grad=True)
+    out = compiled(x)
+    torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert x.grad is not None and module.rpb.grad is not None
+
+
+def test_0_15_bias_functions_match_0_17s(natten):
+    f = natten.functional
+    q, k, _, _, _ = problem((6, 7), seed=3)
+    qf, kf = heads_first(q, 2), heads_first(k, 2)
+    rpb = torch.randn(2, 5, 5, dtype=torch.float64)
+    assert torch.equal(f.na2d_qk_with_bias(qf, kf, rpb, 3, 2), f.na2d_qk(qf, kf, 3, 2, rpb=rpb))
+    q3, k3, _, _, _ = problem((4, 5, 5), seed=4)
+    rpb3 = torch.randn(2, 5, 3, 3, dtype=torch.float64)
+    assert torch.equal(f.na3d_qk_with_bias(heads_first(q3, 3), heads_first(k3, 3), rpb3, 3, 2, 1, 2),
+                       f.na3d_qk(heads_first(q3, 3), heads_first(k3, 3), (3, 2, 2), (1, 2, 2), rpb=rpb3))

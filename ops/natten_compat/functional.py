@@ -157,3 +157,17 @@ def natten3dqk(query, key, kernel_size_d, kernel_size, dilation_d, dilation):
 
 def natten3dav(attn, value, kernel_size_d, kernel_size, dilation_d, dilation):
     return na3d_av(attn, value, (kernel_size_d, kernel_size, kernel_size), (dilation_d, dilation, dilation))
+
+
+# NATTEN 0.15's bias variants (integer kernel size and dilation; 3-D with separate depth arguments)
+def na1d_qk_with_bias(query, key, bias, kernel_size, dilation, additional_keys=None):
+    return na1d_qk(query, key, kernel_size, dilation, additional_keys, rpb=bias)
+
+
+def na2d_qk_with_bias(query, key, bias, kernel_size, dilation, additional_keys=None):
+    return na2d_qk(query, key, kernel_size, dilation, additional_keys, rpb=bias)
+
+
+def na3d_qk_with_bias(query, key, bias, kernel_size_d, kernel_size, dilation_d, dilation, additional_keys=None):
+    return na3d_qk(query, key, (kernel_size_d, kernel_size, kernel_size), (dilation_d, dilation, dilation),
+                   additional_keys, rpb=bias)
