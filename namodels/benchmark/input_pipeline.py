@@ -37,15 +37,23 @@ def data_config(root: str, pipeline: str, workers: int, batch_size: int, num_cla
     return cfg
 
 
-def measure(root: str, pipeline: str, workers: int, split: str = "train", batches: int = 60, warmup: int = 10,
-            batch_size: int = 128, decoder: str = "auto", launcher: str = "main") -> dict:
-    """One row: images/s of ``split``'s loader with ``pipeline`` and ``workers`` loader workers (the GPU
-    pipeline's work launched by ``launcher``)."""
+def _data_module(root: str, pipeline: str, workers: int, batch_size: int, decoder: str,
+                 launcher: str = "main") -> ClassificationDataModule:
+    """The recipe's data module on ``root`` with the given pipeline, workers and GPU stage settings."""
     classes = len(os.listdir(os.path.join(root, "train")))
     cfg = data_config(root, pipeline, workers, batch_size, classes)
     cfg["gpu"] = {**cfg.get("gpu", {}), "workers": workers, "decoder": decoder, "launcher": launcher}
     dm = ClassificationDataModule(cfg, seed=0)
     dm.use_model_defaults(MODEL_DATA)
+    return dm
+
+
+def measure(root: str, pipeline: str, workers: int, split: str = "train", batches: int = 60, warmup: int = 10,
+            batch_size: int = 128, decoder: str = "auto", launcher: str = "main") -> dict:
+    """One row: images/s of ``split``'s loader with ``pipeline`` and ``workers`` loader workers (the GPU
+    pipeline's work launched by ``launcher``)."""
+    dm = _data_module(root, pipeline, workers, batch_size, decoder, launcher)
+    cfg = dm.cfg
     device = dm._device()
     loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
     normalize = dm.device_transform()
@@ -90,12 +98,7 @@ def stage_times(root: str, batches: int = 20, warmup: int = 3, batch_size: int =
 
     if not torch.cuda.is_available():
         raise ValueError("--stages: needs a CUDA device")
-    classes = len(os.listdir(os.path.join(root, "train")))
-    cfg = data_config(root, "gpu", 0, batch_size, classes)
-    cfg["gpu"] = {**cfg.get("gpu", {}), "workers": 0, "decoder": decoder}
-    dm = ClassificationDataModule(cfg, seed=0)
-    dm.use_model_defaults(MODEL_DATA)
-    loader = dm.train_dataloader()
+    loader = _data_module(root, "gpu", 0, batch_size, decoder).train_dataloader()
     stage, device = loader.stage, loader.stage.device
     files = DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler, num_workers=4,
                        collate_fn=collate_encoded, drop_last=True)
@@ -165,10 +168,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
 
     for split in a.splits:
         for pipeline in a.pipelines:
-            for launcher in a.launchers if pipeline == "gpu" else ["-"]:
+            for launcher in a.launchers if pipeline == "gpu" else ["main"]:  # (the CPU pipeline launches nothing)
                 for workers in a.workers:
                     keep(measure(a.root, pipeline, workers, split, a.batches, a.warmup, a.batch_size, a.decoder,
-                                 launcher if pipeline == "gpu" else "main"))
+                                 launcher))
     print("| split | pipeline | decoder | launcher | workers | img/s |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['split']} | {r['pipeline']} | {r['decoder']} | {r['launcher']} | {r['workers']} | "

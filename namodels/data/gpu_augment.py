@@ -395,6 +395,13 @@ class _Step:
     static: object = None
 
 
+def blend_factors(spec: RandAugmentSpec, op: torch.Tensor, arg: torch.Tensor) -> torch.Tensor:
+    """The PIL blend factor of each sample's op (``op`` indexes ``spec.ops``): its argument, except timm's
+    Desaturate, a Color enhance by ``min(1, max(0, 1 - arg))``."""
+    desaturate = torch.tensor([name == "Desaturate" for name in spec.ops], dtype=torch.bool)[op]
+    return torch.where(desaturate, (1.0 - arg).clamp(0.0, 1.0), arg)
+
+
 def _rand_augment_steps(spec: RandAugmentSpec, draw: RandAugmentDraw, height: int, width: int) -> list:
     group = [_OPS[name][0] for name in spec.ops]
     code = torch.tensor([_OPS[name][1] for name in spec.ops], dtype=torch.long)
@@ -414,10 +421,7 @@ def _rand_augment_steps(spec: RandAugmentSpec, draw: RandAugmentDraw, height: in
                 needs_histogram = bool(((codes == _AUTOCONTRAST) | (codes == _EQUALIZE)).any())
                 steps.append(_Step(_LUT, index, (codes, arg[index].float()), needs_histogram))
             elif kind == _BLEND:
-                factor = arg[index].clone()
-                desaturate = torch.tensor([nm == "Desaturate" for nm in names], dtype=torch.bool)
-                # timm's desaturate: Color enhance by min(1, max(0, 1 - level arg))
-                factor = torch.where(desaturate, (1.0 - factor).clamp(0.0, 1.0), factor)
+                factor = blend_factors(spec, ops, arg[index])
                 codes = code[ops]
                 steps.append(_Step(_BLEND, index, (codes, factor.float()), frozenset(codes.tolist())))
             else:

@@ -61,11 +61,8 @@ def _layer_rows(aug, params, layer: int | None) -> tuple[torch.Tensor, torch.Ten
     needs_histogram = bool((point & ((codes == ga._AUTOCONTRAST) | (codes == ga._EQUALIZE))).any())
     blend_codes = torch.where(blend, code_of[op], -1)
     needs_mean = bool((blend_codes == ga._TO_MEAN).any())
-    factor = arg.clone()
-    desaturate = torch.tensor([name == "Desaturate" for name in spec.ops], dtype=torch.bool)[op]
-    factor = torch.where(desaturate, (1.0 - factor).clamp(0.0, 1.0), factor)   # as the torch form's blend step
     rows[:, 1] = blend_codes.double()
-    rows[:, 2] = factor.float().double()
+    rows[:, 2] = ga.blend_factors(spec, op, arg).float().double()
     index = affine.nonzero().flatten()
     if index.numel():
         names = [spec.ops[i] for i in op[index].tolist()]

@@ -112,7 +112,6 @@ class TrainStage(_Stage):
             out = self.augment(out, generator)
         return out, targets.to(self.device, non_blocking=True), skipped
 
-
     def crop(self, images: list[tuple[EncodedSample, torch.Tensor]]) -> torch.Tensor:
         """Each decoded image's RandomResizedCrop box resized to ``img_size``: uint8 ``[N, 3, S, S]``."""
         return resize_crops([image for _, image in images], [sample.crop for sample, _ in images],
