@@ -1,24 +1,29 @@
-"""Differentiation beyond first-order reverse mode: what every backend refuses, in one place.
+"""Differentiation beyond first-order reverse mode, for every backend, in one place.
 
-Every backend gives exact first-order gradients (``backward()``, ``torch.autograd.grad``, ``gradcheck``, several
-backwards over a retained graph).  Their backward passes run kernels that autograd does not record, and none
-defines a forward-mode rule, so without a guard a second derivative or a tangent would be dropped without a word
-(a zero term).  The backends' autograd pieces use the helpers below instead, so each of these raises a
-``RuntimeError`` naming the backend:
+The backends' kernels compute the attention and its first-order gradient; autograd does not record what runs inside
+them.  Everything beyond that comes from one exact composition of plain tensor ops, ``reference_attention`` (the
+naive backend's gather form: constant index tables, per-chunk gathers, ``einsum``), which autograd and
+``torch.func`` differentiate to any order:
 
-* double backward: a second derivative through an attention call (``create_graph=True`` and then a backward
-  through the gradients, ``torch.autograd.grad`` of a gradient, ``gradgradcheck``, Hessian-vector products).
-  ``first_order_only`` wraps each backward: with ``create_graph=True`` its gradients hang from a node that raises
-  when a second derivative reaches it, so a graph built with ``create_graph=True`` whose second backward never
-  passes through an attention call still works;
-* forward-mode AD: ``torch.autograd.forward_ad`` dual tensors and ``torch.func.jvp`` / ``jacfwd`` / ``hessian``
-  (``check_call`` at the call, ``refuse_jvp`` as the ``jvp`` of each ``autograd.Function``);
-* ``torch.func`` transforms a backend does not list in its ``functorch_transforms`` (``check_call``): ``fused``
-  serves ``vmap`` (its registered custom op, run per batch element); no backend serves ``torch.func.grad`` /
-  ``vjp`` / ``jacrev``.
+* forward-mode AD (``torch.func.jvp`` / ``jacfwd`` / ``hessian``, ``torch.autograd.forward_ad`` dual tensors) and
+  the ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``): a call made while one is active runs
+  ``reference_attention`` instead of the backend's kernels (``reference_reason`` says why, and the choice goes to
+  the ``ops.backends`` debug log), except the transforms a backend lists in ``functorch_transforms`` (``fused``
+  serves ``vmap`` with its registered op, per batch element, and forward mode on its own with a tangent kernel,
+  ``ops/fused/jvp.py``).  Forward mode keeps no graph, so the chunks bound the reference's memory as they bound
+  the naive forward's;
+* double backward (``create_graph=True`` followed by a backward through the gradients, ``torch.autograd.grad`` of
+  a gradient, ``gradgradcheck``, gradient penalties, Hessian-vector products): ``second_order`` wraps each
+  backend's backward.  Without ``create_graph`` the backend's kernels run as always; with it, the attention is
+  recomputed from the saved inputs with ``reference_attention`` and differentiated with ``create_graph=True``, so
+  the gradients carry every second-order term.  That graph holds each query's gathered keys and values
+  (``B * N * prod(K) * H * D`` elements), never an ``N x N`` matrix.
 
-The call-time checks are skipped while ``torch.compile`` traces (the compiled graph calls the registered ops, and
+The call-time routing is skipped while ``torch.compile`` traces (the compiled graph calls the registered ops, and
 aot_autograd refuses a double backward through a compiled graph itself).
+
+``ops.unfused``'s weight operators (``na_qk`` / ``na_av``) are first order: ``check_call`` refuses forward mode and
+the transforms at the call, and ``first_order_only`` makes a second derivative through them raise.
 """
 from __future__ import annotations
 
@@ -28,60 +33,161 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch._C import _functions
 
-__all__ = ["check_call", "first_order_only", "refuse_forward_ad", "refuse_jvp", "double_backward_message",
+__all__ = ["reference_attention", "reference_reason", "forward_mode", "recomputed_gradients", "second_order",
+           "REFERENCE", "check_call", "first_order_only", "refuse_forward_ad", "refuse_jvp", "double_backward_message",
            "forward_ad_message"]
 
 # torch.func transform kinds (``torch._C._functorch.TransformType`` names, lower case) and what a user calls them
 _TRANSFORM_NAMES = {
     "grad": "torch.func.grad / vjp / jacrev (reverse mode under torch.func)",
     "vmap": "torch.func.vmap",
+    "jvp": "torch.func.jvp / jacfwd / hessian (forward mode)",
 }
 
 
-def double_backward_message(who: str) -> str:
-    return (f"{who}: double backward (create_graph=True followed by a backward through the gradients, or "
-            f"torch.autograd.grad of a gradient) is not supported: the backward runs kernels that autograd does not "
-            f"record, so second derivatives through neighborhood attention are not available from any backend. "
-            f"First-order gradients are exact (backward without create_graph=True).")
+def reference_attention(q, k, v, params, rpb, scale):
+    """``(out, lse)`` of heads-last inputs as plain tensor ops (the naive backend's traced form): what forward mode,
+    the ``torch.func`` transforms and a double backward differentiate."""
+    from .backends import load_backend  # (ops.naive imports this module)
+
+    return load_backend("naive").traced_attention(q, k, v, params, rpb, scale)
 
 
-def forward_ad_message(who: str) -> str:
-    return (f"{who}: forward-mode AD (torch.func.jvp / jacfwd / hessian, torch.autograd.forward_ad dual tensors) is "
-            f"not supported: no backend defines a tangent rule for neighborhood attention. Use reverse mode "
-            f"(backward / torch.autograd.grad).")
+class _Reference:
+    """The stand-in backend of calls routed to ``reference_attention`` (the call sites treat it as any backend)."""
+
+    name = "reference"
+
+    def unsupported(self, problem) -> str | None:
+        return None
+
+    def attention(self, q, k, v, params, rpb, scale, need_lse=True):
+        return reference_attention(q, k, v, params, rpb, scale)
 
 
-def transform_message(who: str, transform: str) -> str:
-    return (f"{who}: {_TRANSFORM_NAMES.get(transform, 'torch.func.' + transform)} is not supported; call the "
-            f"attention outside the transform (reverse mode: backward / torch.autograd.grad; batches: a batch "
-            f"axis or a loop).")
+REFERENCE = _Reference()
 
 
 def _has_tangent(t) -> bool:
     return isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None
 
 
+def _active_transforms() -> list[str]:
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return [interpreter.key().name.lower() for interpreter in retrieve_all_functorch_interpreters()]
+
+
+def forward_mode(tensors) -> bool:
+    """Whether a call on ``tensors`` is differentiated in forward mode: a ``torch.func.jvp`` (``jacfwd``,
+    ``hessian``) is active, or one of them is a dual tensor of the current ``torch.autograd.forward_ad`` level."""
+    if torch._C._are_functorch_transforms_active() and "jvp" in _active_transforms():
+        return True
+    return _forward_ad._current_level >= 0 and any(_has_tangent(t) for t in tensors)
+
+
+def reference_reason(tensors, functorch_transforms=()) -> str | None:
+    """Why a call on ``tensors`` must run ``reference_attention`` rather than a backend whose kernels serve the
+    ``torch.func`` transforms ``functorch_transforms`` (each on its own: ``"vmap"``, ``"jvp"``, where ``"jvp"``
+    also stands for dual tensors); None for an ordinary call (two flag reads)."""
+    if torch.compiler.is_compiling():
+        return None
+    if torch._C._are_functorch_transforms_active():
+        kinds = _active_transforms()
+        for kind in kinds:
+            if kind not in functorch_transforms:
+                return f"{_TRANSFORM_NAMES.get(kind, 'torch.func.' + kind)} is active"
+        if len(set(kinds)) > 1:
+            return f"nested torch.func transforms ({', '.join(kinds)})"
+        if "jvp" not in kinds and _forward_ad._current_level >= 0 and any(_has_tangent(t) for t in tensors):
+            return "dual tensors under a torch.func transform"
+    if "jvp" not in functorch_transforms and _forward_ad._current_level >= 0 and any(_has_tangent(t) for t in tensors):
+        return "an input is a forward-mode dual tensor (torch.autograd.forward_ad)"
+    return None
+
+
+def recomputed_gradients(needs_input_grad, tensors, attend, grads):
+    """Gradients of ``attend(*tensors) -> (out, lse)`` for the incoming ``grads``, with ``create_graph=True``: the
+    backward of a node whose own kernels autograd cannot differentiate (``second_order``)."""
+    return _recomputed_gradients(needs_input_grad, tensors, attend, grads)
+
+
+def second_order(inputs):
+    """Decorates a backward ``backward(ctx, d_out, d_lse)`` (an ``autograd.Function``'s, or a formula given to
+    ``torch.library.register_autograd``) of an attention ``(out, lse)``.
+
+    ``inputs(ctx) -> (tensors, attend)``: the Function's inputs in argument order (None where an argument is not a
+    tensor, or no tensor was given) and ``attend(*tensors) -> (out, lse)`` as plain tensor ops.  Without
+    ``create_graph`` the backward runs as it is; with it, the gradients come from differentiating ``attend``
+    recomputed on the saved inputs, with ``create_graph=True`` (module docstring)."""
+
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            if not torch.is_grad_enabled():  # create_graph=False: nothing will differentiate the gradients
+                return backward(ctx, *grads)
+            tensors, attend = inputs(ctx)
+            return _recomputed_gradients(ctx.needs_input_grad, tensors, attend, grads)
+
+        return wrapper
+
+    return decorate
+
+
+def _recomputed_gradients(needs_input_grad, tensors, attend, grads):
+    wanted = [i for i, t in enumerate(tensors) if t is not None and needs_input_grad[i] and t.requires_grad]
+    result = [None] * len(needs_input_grad)
+    if not wanted:
+        return tuple(result)
+    # one alias per argument: a tensor passed twice (k and v both x) gets each role's gradient in its own slot
+    tensors = [None if t is None else t.view_as(t) for t in tensors]
+    outputs = attend(*tensors)
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o is not None]
+    if not pairs:
+        return tuple(result)
+    computed = torch.autograd.grad([o for o, _ in pairs], [tensors[i] for i in wanted], [g for _, g in pairs],
+                                   create_graph=True, allow_unused=True)
+    for i, g in zip(wanted, computed):
+        result[i] = g if g is not None else torch.zeros_like(tensors[i])
+    return tuple(result)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the weight operators of ops.unfused: first order, refusals that name the operator
+# ---------------------------------------------------------------------------------------------------------------
+def double_backward_message(who: str) -> str:
+    return (f"{who}: double backward (create_graph=True followed by a backward through the gradients, or "
+            f"torch.autograd.grad of a gradient) is not supported: the backward runs kernels that autograd does not "
+            f"record. First-order gradients are exact; ops.na1d / na2d / na3d serve second derivatives.")
+
+
+def forward_ad_message(who: str) -> str:
+    return (f"{who}: forward-mode AD (torch.func.jvp / jacfwd / hessian, torch.autograd.forward_ad dual tensors) is "
+            f"not supported here; ops.na1d / na2d / na3d serve it.")
+
+
+def transform_message(who: str, transform: str) -> str:
+    return (f"{who}: {_TRANSFORM_NAMES.get(transform, 'torch.func.' + transform)} is not supported; call the "
+            f"operator outside the transform, or use ops.na1d / na2d / na3d, which serve it.")
+
+
 def refuse_forward_ad(who: str, tensors) -> None:
-    """Raises where one of ``tensors`` is a dual tensor of the current ``torch.autograd.forward_ad`` level."""
+    """Raises where one of ``tensors`` is a dual tensor of the current ``torch.autograd.forward_ad`` level: a guard
+    for kernels without a tangent rule, reached only by calls that bypass ``ops.functional``'s routing."""
     if _forward_ad._current_level >= 0 and any(_has_tangent(t) for t in tensors):
         raise RuntimeError(forward_ad_message(who))
 
 
-def check_call(who: str, tensors, functorch_transforms=()) -> None:
-    """Refuses, before anything runs, a call that would be differentiated in forward mode (dual ``tensors``, or
-    an active ``torch.func.jvp``) or run under a ``torch.func`` transform not in ``functorch_transforms``
-    (``"vmap"``, ``"grad"``).  Two flag reads on the common path; skipped while ``torch.compile`` traces."""
+def check_call(who: str, tensors) -> None:
+    """Refuses, before anything runs, a call that would be differentiated in forward mode or run under a
+    ``torch.func`` transform.  Skipped while ``torch.compile`` traces."""
     if torch.compiler.is_compiling():
         return
     if torch._C._are_functorch_transforms_active():
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-        for interpreter in retrieve_all_functorch_interpreters():
-            kind = interpreter.key().name.lower()
+        for kind in _active_transforms():
             if kind == "jvp":
                 raise RuntimeError(forward_ad_message(who))
-            if kind in _TRANSFORM_NAMES and kind not in functorch_transforms:
-                raise RuntimeError(transform_message(who, kind))
+            raise RuntimeError(transform_message(who, kind))
     refuse_forward_ad(who, tensors)
 
 
@@ -95,23 +201,20 @@ def refuse_jvp(who: str):
 
 
 def first_order_only(who: str):
-    """Decorates a backward (an ``autograd.Function``'s, or a formula given to ``torch.library.register_autograd``),
-    ``backward(ctx, *grads)``, whose own operations autograd must not be asked to differentiate.
+    """Decorates a backward whose own operations autograd must not be asked to differentiate.
 
     Without ``create_graph`` it is called as it is.  With it, it runs under ``no_grad`` and its gradients are tied
     to everything they depend on (the saved tensors and incoming gradients that require grad) through a node
     that raises ``double_backward_message(who)`` when a second derivative reaches it.  Unlike
     ``torch.autograd.function.once_differentiable``, which ties them to the incoming gradients only, this also
-    catches second derivatives with respect to the attention's own inputs (``torch.autograd.grad(dq.sum(), q)``),
-    which would otherwise be dropped or reported as an input "not used in the graph"."""
+    catches second derivatives with respect to the operator's own inputs."""
     message = double_backward_message(who)
 
     def decorate(backward):
         @functools.wraps(backward)
         def wrapper(ctx, *grads):
-            if not torch.is_grad_enabled():  # create_graph=False: nothing will differentiate the gradients
+            if not torch.is_grad_enabled():
                 return backward(ctx, *grads)
-            # (unpacked before the backward runs: gemm's writes dS over its saved logits)
             sources = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
             with torch.no_grad():
                 result = backward(ctx, *grads)

@@ -11,9 +11,9 @@ A backend is a module-level object with
   [B, *spatial, H]`` in float32 (float64 for float64 inputs), both differentiable.  ``need_lse=False``
   says the caller will not use lse (a call without ``return_lse`` or extra keys): a backend may skip
   computing it and return ``None`` (the fused forward then skips its store, a sizeable part of a dilated forward);
-* optionally ``functorch_transforms``: the ``torch.func`` transforms it serves (``"vmap"``, ``"grad"``); calls under
-  any other raise (``ops.autodiff.check_call``, as do forward-mode AD and a double backward: gradients are first
-  order, ``ops.autodiff.first_order_only``);
+* optionally ``functorch_transforms``: the ``torch.func`` transforms its kernels serve (``"vmap"``); calls under any
+  other, and forward-mode AD, run ``ops.autodiff.reference_attention`` instead, and its backward is wrapped in
+  ``ops.autodiff.second_order`` (a backward with ``create_graph=True`` recomputes through that reference);
 * optionally ``attention_qkvpacked(qkv, params, rpb, scale, need_lse=True)``: the same on packed
   ``qkv [B, *spatial, 3, H, D]`` (``ops.neighborhood_attention_qkvpacked``), for backends whose backward writes the
   packed gradient directly; the others get ``qkv.unbind(-3)``;
@@ -209,7 +209,7 @@ def select_backend(problem: Problem, requested: str | None):
         if reason is None and getattr(backend, "debug_only", lambda p: False)(problem):
             reason = "debug-only on these inputs (e.g. Triton interpreter on CPU); request it explicitly"
         if reason is None:
-            if rejected:
+            if rejected and not torch.compiler.is_compiling():  # (dynamo cannot trace a logger: logged eagerly)
                 log.debug("NA backend %r chosen; rejected: %s", candidate, "; ".join(rejected))
             return backend
         rejected.append(f"{candidate}: {reason}")

@@ -10,8 +10,8 @@ from typing import Sequence, Union
 
 import torch
 
-from .autodiff import check_call
-from .backends import Problem, select_backend, tracing
+from . import autodiff
+from .backends import Problem, log, select_backend, tracing
 from .window import NAParams
 
 IntOrTuple = Union[int, Sequence[int]]
@@ -266,8 +266,11 @@ def _checked_call(rank, query, key, value, kernel_size, stride, dilation, is_cau
         and any(t is not None and t.requires_grad for t in (query, key, value, rpb)),
     )
     impl = select_backend(problem, backend)
-    # forward-mode AD and torch.func transforms the backend does not serve raise here, before anything runs
-    check_call(f"{impl.name} backend", (query, key, value, rpb), getattr(impl, "functorch_transforms", ()))
+    # forward-mode AD and torch.func transforms the backend does not serve run the exact plain-op composition
+    reason = autodiff.reference_reason((query, key, value, rpb), getattr(impl, "functorch_transforms", ()))
+    if reason is not None:
+        log.debug("NA call runs ops.autodiff.reference_attention instead of backend %r: %s", impl.name, reason)
+        impl = autodiff.REFERENCE
     return params, float(scale), impl
 
 

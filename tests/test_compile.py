@@ -141,3 +141,73 @@ def test_compile_is_not_tracing_where_dynamo_folds_is_exporting(monkeypatch):
     assert torch.export.export(Probe(), (x,), strict=False).module()(x).item() == 1.0
     assert torch.export.export(Probe(), (x,), strict=True).module()(x).item() == 1.0
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU backends: every model one graph before any eager call (naive and gemm as registered ops, flex traced inline)
+# ---------------------------------------------------------------------------------------------------------------
+CPU_SCRIPT = textwrap.dedent("""
+    import contextlib, json, sys, torch, timm
+    import namodels  # noqa: F401
+    cases, steps = json.loads(sys.argv[1]), int(sys.argv[2])
+    reports = []
+    for name, kwargs, shape, backend in cases:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        options = {} if backend == "default" else {"backend": backend}
+        # CPU flex has no backward: inference only; no stochastic depth, so that compiled and eager gradients compare
+        model = timm.create_model(name, drop_path_rate=0.0, **options, **kwargs).train(backend != "flex")
+        x = torch.randn(*shape)
+        grad = torch.no_grad() if backend == "flex" else contextlib.nullcontext()
+        with grad:
+            explained = torch._dynamo.explain(model)(x)
+        report = dict(case=f"{name}/{backend}", graphs=explained.graph_count, breaks=explained.graph_break_count,
+                      reasons=[str(r.reason).splitlines()[0] for r in explained.break_reasons])
+        if steps and backend != "flex":
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+            torch._dynamo.config.error_on_recompile = True
+            for _ in range(steps):
+                model.zero_grad()
+                compiled(x).float().square().mean().backward()
+            compiled_grads = [p.grad.clone() for p in model.parameters()]
+            torch._dynamo.config.error_on_recompile = False
+            model.zero_grad()
+            model(x).float().square().mean().backward()
+            report["grads_match_eager"] = all(torch.allclose(a, p.grad, rtol=1e-4, atol=1e-5)
+                                              for a, p in zip(compiled_grads, model.parameters()))
+        reports.append(report)
+    print(json.dumps(reports))
+""")
+
+DINAT = ("dinat_mini", dict(TINY, dilations=((1,), (1,), (1, 2), (1,))), [1, 3, 32, 32])
+NAT = ("nat_mini", TINY, [1, 3, 32, 32])
+DINAT_S = ("dinat_s_tiny", dict(TINY, dilations=((1,), (1,), (1, 2), (1,))), [1, 3, 64, 64])
+VIDEO = ("video_nat_nano", dict(img_size=32, depth=2), [1, 4, 1, 32, 32])
+CPU_BACKENDS = ("default", "naive", "gemm", "flex")
+
+
+def _cpu_reports(cases, steps: int) -> list:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)  # the CPU backends as a user without a GPU has them
+    proc = subprocess.run([sys.executable, "-c", CPU_SCRIPT, json.dumps(cases), str(steps)], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _assert_one_graph(reports):
+    for report in reports:
+        assert (report["graphs"], report["breaks"]) == (1, 0), report
+        assert report.get("grads_match_eager", True), report
+
+
+def test_cpu_backends_compile_dinat_to_one_graph():
+    """DiNAT (NAT's blocks included) with each CPU backend, traced before any eager call: one graph; with naive and
+    gemm, compiled training steps (aot_eager) give the eager gradients."""
+    _assert_one_graph(_cpu_reports([[*DINAT, b] for b in CPU_BACKENDS], steps=1))
+
+
+@pytest.mark.slow
+def test_cpu_backends_compile_every_model_to_one_graph():
+    _assert_one_graph(_cpu_reports([[*m, b] for m in (NAT, DINAT, DINAT_S, VIDEO) for b in CPU_BACKENDS], steps=1))

@@ -1,14 +1,14 @@
 """Differentiation beyond first-order reverse mode, through every backend (``ops.autodiff``): a double backward,
-forward-mode AD and ``torch.func`` transforms either give exactly what the dense-mask oracle (tests/oracle.py,
-plain differentiable torch) gives, or raise a ``RuntimeError`` naming the backend and what it refuses; never a
-silently dropped second-order term or tangent.  Also: ``gemm`` serves several backwards over a retained graph (so
-``gradcheck``), and the backends propagate meta tensors' shapes.
+forward-mode AD and ``torch.func`` transforms give exactly what the dense-mask oracle (tests/oracle.py, plain
+differentiable torch) gives, never a dropped second-order term or tangent; ``gradcheck`` / ``gradgradcheck`` hold in
+float64 and ``torch.func.jvp`` matches central finite differences, on every feature (RPB, lse, GQA, additional keys,
+causal, stride, dilation, 1-D to 3-D).  Also: ``gemm`` serves several backwards over a retained graph, and the
+backends propagate meta tensors' shapes.  ``ops.unfused``'s weight operators stay first order and say so.
 
-The checks take either outcome, so they hold unchanged once a backend implements a mode.  ``fused`` runs in
-Triton's interpreter on CPU (TRITON_INTERPRET=1, set before ops is imported); ``flex`` serves no gradient on CPU.
+``fused`` runs in Triton's interpreter on CPU (TRITON_INTERPRET=1, set before ops is imported; float32 there, so it
+is compared with the oracle rather than gradchecked); ``flex`` serves no gradient on CPU.
 """
 import os
-import re
 
 import pytest
 import torch
@@ -71,24 +71,16 @@ def _reference(t):
     return t.detach().double().cpu().requires_grad_(t.requires_grad)
 
 
-def _exact_or_refused(run, reference, backend, refusal):
-    """``run(attend)`` through the backend either raises a RuntimeError that names the backend and the refused mode
-    (``refusal``, a regular expression), or returns what ``reference(oracle)`` returns (tensors or None)."""
-    try:
-        got = run(_attend(backend))
-    except RuntimeError as err:
-        assert re.search(rf"{backend} backend: {refusal}", str(err)), f"unclear refusal: {err}"
-        return
+def _exact(run, reference, backend):
+    """``run(attend)`` through the backend returns what ``reference(oracle)`` returns (tensors, none of them None)."""
+    got = run(_attend(backend))
     want = reference(_attend("oracle"))
     assert len(got) == len(want)
     tol = 1e-9 if _dtype(backend) == torch.float64 else 2e-4
     for g, w in zip(got, want):
         assert g is not None, "a derivative came back None (dropped); the oracle's is not"
+        assert w.abs().max() > 0, "the reference is zero: the check could not fail"
         torch.testing.assert_close(g.detach().double().cpu(), w.detach(), rtol=tol, atol=tol)
-
-
-DOUBLE = "double backward"
-FORWARD = "forward-mode AD"
 
 
 @pytest.mark.parametrize("backend", GRAD_BACKENDS)
@@ -105,8 +97,8 @@ def test_double_backward_through_projections(backend):
         g.square().sum().backward()
         return x.grad, Wq.grad, W.grad
 
-    _exact_or_refused(lambda attend: second_order(attend, *inputs(lambda t: t)),
-                      lambda attend: second_order(attend, *inputs(_reference)), backend, DOUBLE)
+    _exact(lambda attend: second_order(attend, *inputs(lambda t: t)),
+           lambda attend: second_order(attend, *inputs(_reference)), backend)
 
 
 def _qkv_rpb(backend, convert=lambda t: t):
@@ -123,8 +115,8 @@ def test_grad_of_a_gradient(backend):
         (dq,) = torch.autograd.grad(attend(q, k, v, rpb).square().sum(), q, create_graph=True)
         return torch.autograd.grad(dq.sum(), (q, k, v, rpb))
 
-    _exact_or_refused(lambda attend: run(attend, *_qkv_rpb(backend)),
-                      lambda attend: run(attend, *_qkv_rpb(backend, _reference)), backend, DOUBLE)
+    _exact(lambda attend: run(attend, *_qkv_rpb(backend)),
+           lambda attend: run(attend, *_qkv_rpb(backend, _reference)), backend)
 
 
 @pytest.mark.parametrize("backend", GRAD_BACKENDS)
@@ -137,14 +129,14 @@ def test_gradient_penalty_with_constant_output_gradient(backend):
         (q.sum() + dq.square().sum()).backward()
         return q.grad, k.grad, rpb.grad
 
-    _exact_or_refused(lambda attend: run(attend, *_qkv_rpb(backend)),
-                      lambda attend: run(attend, *_qkv_rpb(backend, _reference)), backend, DOUBLE)
+    _exact(lambda attend: run(attend, *_qkv_rpb(backend)),
+           lambda attend: run(attend, *_qkv_rpb(backend, _reference)), backend)
 
 
 @pytest.mark.parametrize("backend", GRAD_BACKENDS)
 def test_create_graph_without_a_second_derivative_through_the_attention(backend):
     """create_graph=True through an attention call, then a backward of a gradient that does not pass the attention's
-    backward: exact (the refusal fires only where a second derivative would flow through an attention call)."""
+    backward: exact."""
     def run(attend, x, s):
         loss = attend(x, x, x).sum() + (x * s).square().sum()
         _, gs = torch.autograd.grad(loss, (x, s), create_graph=True)
@@ -171,9 +163,8 @@ def test_func_jvp(backend):
     def run(attend, q, t):
         return torch.func.jvp(lambda q: attend(q, q, q), (q,), (t,))
 
-    _exact_or_refused(lambda attend: run(attend, _plain(backend, 9), _plain(backend, 10)),
-                      lambda attend: run(attend, _plain(backend, 9, _reference), _plain(backend, 10, _reference)),
-                      backend, FORWARD)
+    _exact(lambda attend: run(attend, _plain(backend, 9), _plain(backend, 10)),
+           lambda attend: run(attend, _plain(backend, 9, _reference), _plain(backend, 10, _reference)), backend)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -192,14 +183,14 @@ def test_forward_ad_dual_tensors(backend, requires_grad):
     def inputs(convert):
         return _plain(backend, 11, convert).requires_grad_(requires_grad), _plain(backend, 12, convert)
 
-    _exact_or_refused(lambda attend: run(attend, *inputs(lambda t: t)),
-                      lambda attend: run(attend, *inputs(_reference)), backend, FORWARD)
+    _exact(lambda attend: run(attend, *inputs(lambda t: t)),
+           lambda attend: run(attend, *inputs(_reference)), backend)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_func_vmap(backend):
-    """torch.func.vmap: per-element attention or a clear refusal (flex raised KeyError: <TransformType.Vmap: 1>;
-    naive / gemm a message about autograd.Function's setup_context)."""
+    """torch.func.vmap: per-element attention (flex raised KeyError: <TransformType.Vmap: 1>; naive / gemm a message
+    about autograd.Function's setup_context)."""
     def run(attend, x):
         return (torch.func.vmap(lambda q: attend(q, q, q))(x),)
 
@@ -207,18 +198,17 @@ def test_func_vmap(backend):
         return (torch.stack([attend(q, q, q) for q in x]),)
 
     x = _randn(backend, 2, 1, *SPATIAL, 2, 4, seed=13)
-    _exact_or_refused(lambda attend: run(attend, x), lambda attend: loop(attend, _reference(x)), backend,
-                      "torch.func.vmap")
+    _exact(lambda attend: run(attend, x), lambda attend: loop(attend, _reference(x)), backend)
 
 
 @pytest.mark.parametrize("backend", GRAD_BACKENDS)
 def test_func_grad(backend):
-    """torch.func.grad: the oracle's gradient or a clear refusal."""
+    """torch.func.grad: the oracle's gradient."""
     def run(attend, x):
         return (torch.func.grad(lambda q: attend(q, q, q).square().sum())(x),)
 
-    _exact_or_refused(lambda attend: run(attend, _plain(backend, 14)),
-                      lambda attend: run(attend, _plain(backend, 14, _reference)), backend, "torch.func.grad")
+    _exact(lambda attend: run(attend, _plain(backend, 14)),
+           lambda attend: run(attend, _plain(backend, 14, _reference)), backend)
 
 
 def test_gemm_gradcheck_and_retained_graph():
@@ -273,9 +263,10 @@ def test_unfused_operators_refuse_double_backward_and_forward_ad():
 
 @needs_fused
 @pytest.mark.parametrize("packed", [False, True])
-def test_fused_registered_ops_are_first_order(packed):
-    """The torch.library ops that compiled graphs call: their registered backward formula refuses a double backward,
-    and their kernels refuse dual inputs (the op itself has no tangent rule)."""
+def test_fused_registered_ops_give_exact_second_derivatives(packed):
+    """The torch.library ops that compiled graphs call: their registered backward formula recomputes under
+    create_graph (a double backward equals the oracle's), and their kernels refuse dual inputs reaching them
+    directly (forward mode is routed around them by ops.functional)."""
     gen = torch.Generator().manual_seed(17)
     qkv = torch.randn(1, *SPATIAL, 3, 2, 4, generator=gen).to(FUSED_DEVICE).requires_grad_(True)
     window = ([3, 3], [1, 1], [1, 1], [False, False], 0.5)
@@ -285,35 +276,203 @@ def test_fused_registered_ops_are_first_order(packed):
             return torch.ops.namodels.fused_na_packed_forward(qkv, None, *window)[0]
         return torch.ops.namodels.fused_na_forward(*qkv.unbind(-3), None, *window)[0]
 
-    (dqkv,) = torch.autograd.grad(call(qkv).square().sum(), qkv, create_graph=True)
-    with pytest.raises(RuntimeError, match="fused backend: double backward"):
-        torch.autograd.grad(dqkv.sum(), qkv)
+    def oracle(qkv):
+        return oracle_attention(*qkv.unbind(-3), SPATIAL, K, (1, 1), (1, 1), NO, scale=0.5)[0]
+
+    def second(attend, qkv):
+        (dqkv,) = torch.autograd.grad(attend(qkv).square().sum(), qkv, create_graph=True)
+        return torch.autograd.grad(dqkv.tanh().sum(), qkv)[0]
+
+    torch.testing.assert_close(second(call, qkv).double().cpu(), second(oracle, _reference(qkv)), rtol=2e-4,
+                               atol=2e-4)
     with fwAD.dual_level(), pytest.raises(RuntimeError, match="fused backend: forward-mode AD"):
         call(fwAD.make_dual(qkv.detach(), torch.ones_like(qkv)))
 
 
 @needs_fused
-def test_fused_packed_double_backward_is_refused():
-    """neighborhood_attention_qkvpacked on fused (its own autograd function) refuses a double backward."""
+def test_fused_packed_double_backward():
+    """neighborhood_attention_qkvpacked on fused (its own autograd function): a double backward equals the oracle's."""
     gen = torch.Generator().manual_seed(18)
     qkv = torch.randn(1, *SPATIAL, 3, 2, 4, generator=gen).to(FUSED_DEVICE).requires_grad_(True)
-    out = ops.neighborhood_attention_qkvpacked(2, qkv, K, backend="fused")
-    (dqkv,) = torch.autograd.grad(out.square().sum(), qkv, create_graph=True)
-    with pytest.raises(RuntimeError, match="fused backend: double backward"):
+
+    def run(attend, qkv):
+        (dqkv,) = torch.autograd.grad(attend(qkv).square().sum(), qkv, create_graph=True)
         dqkv.square().sum().backward()
+        return (qkv.grad,)
+
+    got = run(lambda t: ops.neighborhood_attention_qkvpacked(2, t, K, backend="fused"), qkv)
+    want = run(lambda t: oracle_attention(*t.unbind(-3), SPATIAL, K, (1, 1), (1, 1), NO)[0], _reference(qkv))
+    torch.testing.assert_close(got[0].double().cpu(), want[0], rtol=2e-4, atol=2e-4)
 
 
-def test_flex_gradients_are_first_order():
-    """flex's inputs pass a first-order guard wherever a backward can follow (CUDA; CPU flex has no backward, so
-    the guard is checked here on its own): first-order gradients pass unchanged, a second derivative raises."""
-    from ops.flex import _first_order
+def test_flex_node_first_and_second_order():
+    """flex's autograd node (``_Recorded``, CUDA only in use: CPU flex has no backward) checked on its own, with the
+    naive plain form standing in for flex_attention: first-order gradients run through the recorded graph (twice
+    over a retained graph), a second derivative through the plain-op recompute, both equal to the oracle's."""
+    from ops.flex import _Recorded
+    from ops.functional import make_params
+    from ops.naive import plain_forward
 
-    gen = torch.Generator().manual_seed(19)
-    q, k, v = (torch.randn(3, 4, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
-    gq, gk, gv, rpb = _first_order(q, k, v, None)
-    assert rpb is None
-    loss = (gq * gk * gv).sum()
-    grads = torch.autograd.grad(loss, (q, k, v), create_graph=True)
-    torch.testing.assert_close(grads[0], (k * v).detach())
-    with pytest.raises(RuntimeError, match="flex backend: double backward"):
-        torch.autograd.grad(grads[0].sum(), k)
+    params = make_params(SPATIAL, K)
+    q, k, v, rpb = _qkv_rpb("naive")
+    flat = lambda t: t.reshape(1, -1, *t.shape[-2:])  # noqa: E731
+
+    def attend_plain(q, k, v, rpb):
+        out, lse = plain_forward(flat(q), flat(k), flat(v), rpb, params, 0.5)
+        return out.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(q.shape[:-1])
+
+    def node(q, k, v, rpb):
+        return _Recorded.apply(q, k, v, rpb, params, 0.5, attend_plain)[0]
+
+    def oracle(q, k, v, rpb):
+        return oracle_attention(q, k, v, SPATIAL, K, (1, 1), (1, 1), NO, rpb=rpb, scale=0.5)[0]
+
+    def first(attend, tensors):
+        out = attend(*tensors)
+        return (*torch.autograd.grad(out.square().sum(), tensors, retain_graph=True),
+                *torch.autograd.grad(out.sum(), tensors))
+
+    def second(attend, tensors):
+        (dq,) = torch.autograd.grad(attend(*tensors).square().sum(), tensors[0], create_graph=True)
+        return torch.autograd.grad(dq.sum(), tensors)
+
+    for check in (first, second):
+        for g, w in zip(check(node, (q, k, v, rpb)), check(oracle, tuple(map(_reference, (q, k, v, rpb))))):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every feature: (rank, spatial, kernel, stride, dilation, causal, heads q / kv, rpb, extra keys)
+# ---------------------------------------------------------------------------------------------------------------
+FEATURES = {
+    "rpb": (2, (4, 5), (3, 3), (1, 1), (1, 1), (False, False), (2, 2), True, 0),
+    "gqa": (2, (4, 5), (3, 3), (1, 1), (1, 1), (False, False), (4, 2), False, 0),
+    "causal": (2, (4, 5), (3, 3), (1, 1), (1, 1), (True, False), (2, 2), False, 0),
+    "stride": (2, (5, 5), (3, 3), (2, 1), (1, 1), (False, False), (2, 2), True, 0),
+    "dilation": (2, (4, 6), (3, 3), (1, 1), (1, 2), (False, False), (2, 1), True, 0),
+    "additional_keys": (2, (4, 4), (3, 3), (1, 1), (1, 1), (False, False), (2, 1), False, 3),
+    "1d": (1, (7,), (3,), (1,), (2,), (True,), (2, 2), False, 0),
+    "3d": (3, (3, 3, 4), (3, 3, 3), (1, 1, 1), (1, 1, 1), (False, False, False), (2, 2), True, 0),
+}
+
+
+def _feature_inputs(feature, backend, seed):
+    rank, spatial, kernel, stride, dilation, causal, (hq, hkv), use_rpb, extra = FEATURES[feature]
+    q = _randn(backend, 1, *spatial, hq, 3, seed=seed)
+    k = _randn(backend, 1, *spatial, hkv, 3, seed=seed + 1)
+    v = _randn(backend, 1, *spatial, hkv, 2, seed=seed + 2)
+    rpb = _randn(backend, hq, *[2 * x - 1 for x in kernel], seed=seed + 3) if use_rpb else None
+    ek = _randn(backend, 1, extra, hkv, 3, seed=seed + 4) if extra else None
+    ev = _randn(backend, 1, extra, hkv, 2, seed=seed + 5) if extra else None
+    return [t for t in (q, k, v, rpb, ek, ev) if t is not None]
+
+
+def _feature_attend(feature, backend):
+    """``(*tensors) -> (out, lse)`` of ``_feature_inputs``' tensors, through a backend or the oracle."""
+    rank, spatial, kernel, stride, dilation, causal, _, use_rpb, extra = FEATURES[feature]
+
+    def split(tensors):
+        q, k, v, *rest = tensors
+        rpb = rest.pop(0) if use_rpb else None
+        ek, ev = rest if extra else (None, None)
+        return q, k, v, rpb, ek, ev
+
+    def attend(*tensors):
+        q, k, v, rpb, ek, ev = split(tensors)
+        if backend == "oracle":
+            return oracle_attention(q, k, v, spatial, kernel, stride, dilation, causal, rpb=rpb, extra_k=ek,
+                                    extra_v=ev)
+        return ops.neighborhood_attention(rank, q, k, v, kernel, stride, dilation, causal, rpb=rpb,
+                                          additional_keys=ek, additional_values=ev, return_lse=True,
+                                          backend=backend)
+
+    return attend
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
+def test_jvp_on_every_feature(backend, feature):
+    """torch.func.jvp of (out, lse) with a tangent on every input equals the oracle's own jvp (fused: its tangent
+    kernel, ops/fused/jvp.py); in float64 it also equals central finite differences."""
+    primals = _feature_inputs(feature, backend, seed=20)
+    tangents = _feature_inputs(feature, backend, seed=40)
+    attend = _feature_attend(feature, backend)
+    (out, lse), (t_out, t_lse) = torch.func.jvp(attend, tuple(primals), tuple(tangents))
+    (_, _), (w_out, w_lse) = torch.func.jvp(_feature_attend(feature, "oracle"), tuple(map(_reference, primals)),
+                                            tuple(map(_reference, tangents)))
+    tol = 1e-9 if _dtype(backend) == torch.float64 else 2e-4
+    assert w_out.abs().max() > 0 and w_lse.abs().max() > 0
+    torch.testing.assert_close(t_out.double().cpu(), w_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(t_lse.double().cpu(), w_lse, rtol=tol, atol=tol)
+    if _dtype(backend) == torch.float64:
+        eps = 1e-6
+        plus = attend(*(p + eps * t for p, t in zip(primals, tangents)))
+        minus = attend(*(p - eps * t for p, t in zip(primals, tangents)))
+        for a, b, t in zip(plus, minus, (t_out, t_lse)):
+            torch.testing.assert_close((a - b) / (2 * eps), t, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("backend", ["naive", "gemm"])
+def test_gradcheck_and_gradgradcheck_on_every_feature(backend, feature):
+    """float64 gradcheck and gradgradcheck of (out, lse) with respect to every input (fast mode: the Jacobians
+    against random projections, one numerical and one analytical product each; the full Jacobians are compared by
+    ``test_gemm_gradcheck_and_retained_graph`` and the ``slow`` full-mode run of this matrix)."""
+    tensors = tuple(t.requires_grad_(True) for t in _feature_inputs(feature, backend, seed=60))
+    attend = _feature_attend(feature, backend)
+    assert torch.autograd.gradcheck(attend, tensors, fast_mode=True)
+    assert torch.autograd.gradgradcheck(attend, tensors, fast_mode=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("backend", ["naive", "gemm"])
+def test_full_gradcheck_and_gradgradcheck_on_every_feature(backend, feature):
+    tensors = tuple(t.requires_grad_(True) for t in _feature_inputs(feature, backend, seed=60))
+    attend = _feature_attend(feature, backend)
+    assert torch.autograd.gradcheck(attend, tensors)
+    assert torch.autograd.gradgradcheck(attend, tensors)
+
+
+@needs_fused
+@pytest.mark.parametrize("feature", ["rpb", "gqa", "causal"])
+def test_fused_second_derivatives_on_every_feature(feature):
+    """fused (float32 in the interpreter): the gradient of a gradient norm equals the oracle's."""
+    def run(attend, tensors):
+        out, lse = attend(*tensors)
+        grads = torch.autograd.grad(out.square().sum() + lse.sum(), tensors, create_graph=True)
+        return torch.autograd.grad(sum(g.square().sum() for g in grads), tensors)
+
+    tensors = [t.requires_grad_(True) for t in _feature_inputs(feature, "fused", seed=80)]
+    got = run(_feature_attend(feature, "fused"), tensors)
+    want = run(_feature_attend(feature, "oracle"), [_reference(t) for t in tensors])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double().cpu(), w, rtol=5e-4, atol=5e-4)
+
+
+def test_calls_under_forward_mode_run_the_reference_and_say_so(caplog):
+    """The routing is visible: a debug line on the ops.backends logger names the backend it stood in for."""
+    q = _plain("naive", 90)
+    with caplog.at_level("DEBUG", logger="ops.backends"):
+        torch.func.jvp(lambda q: ops.na2d(q, q, q, K, backend="gemm"), (q,), (q,))
+    assert any("reference_attention instead of backend 'gemm'" in r.getMessage() for r in caplog.records)
+
+
+@needs_fused
+def test_fused_forward_mode_runs_the_tangent_kernel(monkeypatch):
+    """fused serves forward mode with its tangent kernel (not the reference), through torch.func.jvp, dual tensors
+    and the packed entry point, and equals the oracle's tangent."""
+    import ops.fused.op as fused_op
+
+    calls = []
+    kernel = fused_op.forward_tangent
+    monkeypatch.setattr(fused_op, "forward_tangent", lambda *a: calls.append(1) or kernel(*a))
+    q, t = _plain("fused", 95), _plain("fused", 96)
+    _, got = torch.func.jvp(lambda q: ops.na2d(q, q, q, K, backend="fused"), (q,), (t,))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(torch.stack([q, q, q], -3), torch.stack([t, t, t], -3))
+        packed = fwAD.unpack_dual(ops.neighborhood_attention_qkvpacked(2, dual, K, backend="fused")).tangent
+    assert len(calls) == 2
+    _, want = torch.func.jvp(lambda q: _attend("oracle")(q, q, q), (_reference(q),), (_reference(t),))
+    for tangent in (got, packed):
+        torch.testing.assert_close(tangent.double().cpu(), want, rtol=2e-4, atol=2e-4)

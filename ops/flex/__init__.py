@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from ..autodiff import first_order_only, refuse_jvp
+from ..autodiff import reference_attention, second_order
 from ..window import NAParams, admits
 
 log = logging.getLogger(__name__)
@@ -155,12 +155,12 @@ def _recompile_room():
 
 
 def _run_flex(q, k, v, score_mod, block_mask, scale, gqa):
+    if torch.compiler.is_compiling():  # the user's compiled model traces flex inline
+        return _call(flex_attention, q, k, v, score_mod, block_mask, scale, gqa)
     use_compile = q.device.type == "cuda" or COMPILE_ON_CPU
     if not use_compile:
         return _run_flex_eager_cpu(q, k, v, score_mod, block_mask, scale, gqa)
-    # the user's compiled model traces flex inline: no dynamo limits to raise there
-    room = contextlib.nullcontext() if torch.compiler.is_compiling() else _recompile_room()
-    with room:
+    with _recompile_room():
         return _call(_compiled_flex(), q, k, v, score_mod, block_mask, scale, gqa)
 
 
@@ -237,35 +237,47 @@ def _contain_nonfinite(q, k, v, score_mod, block_mask, scale, gqa):
     return out.masked_fill(hits > 0, float("nan"))
 
 
-WHO = "flex backend"  # (named by the refusals of ops.autodiff)
-
-
-class _FirstOrder(torch.autograd.Function):
-    """Identity on the attention's inputs whose backward is ``first_order_only``: gradients leaving a flex call pass
-    its node, so a second derivative through the call raises there, naming the backend."""
+class _Recorded(torch.autograd.Function):
+    """A flex call behind one autograd node.  Its forward records flex's own graph on detached inputs; the first-order
+    backward runs through that graph (flex's backward kernels), a backward with ``create_graph=True`` recomputes
+    through ``ops.autodiff.reference_attention`` instead (``second_order``: flex's backward is not differentiable).
+    The recorded graph is released by the first backward; a further one over a retained graph records it again."""
 
     @staticmethod
-    def forward(ctx, *tensors):
-        ctx.save_for_backward(*tensors)
+    def forward(ctx, q, k, v, rpb, params, scale, attend):
+        ctx.save_for_backward(q, k, v, rpb)
+        ctx.params, ctx.scale, ctx.attend = params, scale, attend
         ctx.set_materialize_grads(False)
-        return tensors
+        ctx.recorded = _record(attend, (q, k, v, rpb))
+        _, out, lse = ctx.recorded
+        return out.detach(), lse.detach()
 
     @staticmethod
-    @first_order_only(WHO)
-    def backward(ctx, *grads):
-        return grads
+    @second_order(lambda ctx: (ctx.saved_tensors, functools.partial(_plain_attend, ctx.params, ctx.scale)))
+    def backward(ctx, d_out, d_lse):
+        leaves, out, lse = ctx.recorded if ctx.recorded is not None else _record(ctx.attend, ctx.saved_tensors)
+        ctx.recorded = None
+        pairs = [(o, g) for o, g in ((out, d_out), (lse, d_lse)) if g is not None]
+        wanted = [i for i, t in enumerate(leaves) if t is not None and t.requires_grad and ctx.needs_input_grad[i]]
+        grads = [None] * 7
+        if pairs and wanted:
+            computed = torch.autograd.grad([o for o, _ in pairs], [leaves[i] for i in wanted],
+                                           [g for _, g in pairs], allow_unused=True)
+            for i, g in zip(wanted, computed):
+                grads[i] = g
+        return tuple(grads)
 
-    jvp = refuse_jvp(WHO)
+
+def _record(attend, tensors):
+    """``(leaves, out, lse)``: ``attend`` run with grad on detached copies of ``tensors`` (the leaves)."""
+    leaves = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad) for t in tensors)
+    with torch.enable_grad():
+        out, lse = attend(*leaves)
+    return leaves, out, lse
 
 
-def _first_order(q, k, v, rpb):
-    """``(q, k, v, rpb)`` behind ``_FirstOrder`` where a backward can follow (eager; a compiled graph's backward is
-    refused a double backward by aot_autograd itself)."""
-    tensors = (q, k, v) if rpb is None else (q, k, v, rpb)
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
-        return q, k, v, rpb
-    out = _FirstOrder.apply(*tensors)
-    return (*out, None) if rpb is None else out
+def _plain_attend(params, scale, q, k, v, rpb):
+    return reference_attention(q, k, v, params, rpb, scale)
 
 
 class FlexBackend:
@@ -283,28 +295,35 @@ class FlexBackend:
         return None
 
     def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
-        q, k, v, rpb = _first_order(q, k, v, rpb)
-        b, hq, hkv = q.shape[0], q.shape[-2], k.shape[-2]
-        n = params.num_tokens
-        to_bhnd = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1]).transpose(1, 2)  # noqa: E731
-        ordering = group_order(params, q.device)
-        order, inverse = ordering if ordering is not None else (None, None)
-        score_mod = None
-        if rpb is not None:
-            score_mod = _score_in_group_order(make_rpb_score_mod(params, rpb.reshape(rpb.shape[0], -1)), order)
-        q, k, v = to_bhnd(q), to_bhnd(k), to_bhnd(v)
-        if order is not None:  # tokens in dilation-group order (see group_order); undone on the outputs
-            q, k, v = q[:, :, order], k[:, :, order], v[:, :, order]
-        block_mask = _block_mask(params, q.device)
-        out, lse = _run_flex(q, k, v, score_mod, block_mask, scale, hq != hkv)
-        if _holds_nonfinite(v):  # checked after the launch: on CUDA the wait overlaps the attention
-            out = _contain_nonfinite(q, k, v, score_mod, block_mask, scale, hq != hkv)
-        if order is not None:
-            out, lse = out[:, :, inverse], lse[:, :, inverse]
-        spatial = params.spatial
-        out = out.transpose(1, 2).reshape(b, *spatial, hq, v.shape[-1])
-        lse = lse.transpose(1, 2).reshape(b, *spatial, hq)
-        return out, lse
+        tensors = (q, k, v) if rpb is None else (q, k, v, rpb)
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+            return _attend(params, scale, q, k, v, rpb)  # (a compiled graph's backward is first order anyway)
+        return _Recorded.apply(q, k, v, rpb, params, scale, functools.partial(_attend, params, scale))
+
+
+def _attend(params: NAParams, scale, q, k, v, rpb):
+    """flex_attention over the neighborhoods of heads-last ``q, k, v``: ``(out, lse)``."""
+    b, hq, hkv = q.shape[0], q.shape[-2], k.shape[-2]
+    n = params.num_tokens
+    to_bhnd = lambda t: t.reshape(b, n, t.shape[-2], t.shape[-1]).transpose(1, 2)  # noqa: E731
+    ordering = group_order(params, q.device)
+    order, inverse = ordering if ordering is not None else (None, None)
+    score_mod = None
+    if rpb is not None:
+        score_mod = _score_in_group_order(make_rpb_score_mod(params, rpb.reshape(rpb.shape[0], -1)), order)
+    q, k, v = to_bhnd(q), to_bhnd(k), to_bhnd(v)
+    if order is not None:  # tokens in dilation-group order (see group_order); undone on the outputs
+        q, k, v = q[:, :, order], k[:, :, order], v[:, :, order]
+    block_mask = _block_mask(params, q.device)
+    out, lse = _run_flex(q, k, v, score_mod, block_mask, scale, hq != hkv)
+    if _holds_nonfinite(v):  # checked after the launch: on CUDA the wait overlaps the attention
+        out = _contain_nonfinite(q, k, v, score_mod, block_mask, scale, hq != hkv)
+    if order is not None:
+        out, lse = out[:, :, inverse], lse[:, :, inverse]
+    spatial = params.spatial
+    out = out.transpose(1, 2).reshape(b, *spatial, hq, v.shape[-1])
+    lse = lse.transpose(1, 2).reshape(b, *spatial, hq)
+    return out, lse
 
 
 BACKEND = FlexBackend()

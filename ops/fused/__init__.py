@@ -34,8 +34,9 @@ interpreted = kernels.interpreted
 
 class FusedBackend:
     name = "fused"
-    # torch.func transforms served (ops.autodiff.check_call): vmap runs the registered custom ops per batch element
-    functorch_transforms = ("vmap",)
+    # torch.func transforms served by the kernels, each on its own (ops.autodiff.reference_reason): vmap runs the
+    # registered custom ops per batch element, jvp (and dual tensors) the tangent kernel; the rest run the reference
+    functorch_transforms = ("vmap", "jvp")
 
     def unsupported(self, problem) -> str | None:
         # (meta tensors: shapes only, from the custom ops' fake implementations)

@@ -5,19 +5,22 @@ implementations, and the autograd formula registered on the forward op (so compi
 graphs include the fused backward).  Autograd saves only q, k, v, rpb, out and lse.  The fake
 implementations also serve meta tensors (shapes only).
 
-Gradients are first order (``ops.autodiff``): every backward here, the registered formulas and the eager
-``autograd.Function`` alike, is ``first_order_only`` (a double backward raises instead of losing the second-order
-terms), and forward-mode AD raises (the ``jvp`` of the eager functions; dual tensors reaching the ops' kernels).
+Beyond first order (``ops.autodiff``): every backward here, the registered formulas and the eager
+``autograd.Function`` alike, is ``second_order`` (with ``create_graph=True`` the gradients come from the plain-op
+recompute, so a double backward is exact); forward mode never reaches these ops (``ops.functional`` routes it to
+``ops.autodiff.reference_attention``), and dual tensors that reach a kernel anyway raise.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from . import launch
-from ..autodiff import first_order_only, refuse_forward_ad, refuse_jvp
+from ..autodiff import forward_mode, recomputed_gradients, reference_attention, refuse_forward_ad, second_order
 from ..window import NAParams
+from .jvp import forward_tangent
 
 WHO = "fused backend"  # (named by the refusals of ops.autodiff)
 
@@ -97,7 +100,23 @@ def _gradients(saved, d_out, d_lse, needs_input_grad, compute):
     return dq, dk, dv, (drpb if want_drpb else None)
 
 
-@first_order_only(WHO)
+def _recompute_inputs(ctx):
+    """``ops.autodiff.second_order``'s view of the registered op: its tensors and their plain-op attention."""
+    q, k, v, rpb = ctx.saved_tensors[:4]
+    kernel_size, stride, dilation, is_causal, scale = ctx.window
+    params = _params(q, kernel_size, stride, dilation, is_causal)
+    return (q, k, v, rpb), functools.partial(_plain_attend, params, scale)
+
+
+def _plain_attend(params, scale, q, k, v, rpb):
+    return reference_attention(q, k, v, params, rpb, scale)
+
+
+def _plain_attend_packed(params, scale, qkv, rpb):
+    return reference_attention(*qkv.unbind(-3), params, rpb, scale)
+
+
+@second_order(_recompute_inputs)
 def _backward(ctx, d_out, d_lse):
     kernel_size, stride, dilation, is_causal, scale = ctx.window
 
@@ -174,7 +193,14 @@ def _packed_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-@first_order_only(WHO)
+def _packed_recompute_inputs(ctx):
+    qkv, rpb = ctx.saved_tensors[:2]
+    kernel_size, stride, dilation, is_causal, scale = ctx.window
+    params = _params(qkv.unbind(-3)[0], kernel_size, stride, dilation, is_causal)
+    return (qkv, rpb), functools.partial(_plain_attend_packed, params, scale)
+
+
+@second_order(_packed_recompute_inputs)
 def _packed_backward(ctx, d_out, d_lse):
     qkv, rpb, out, lse = ctx.saved_tensors
     kernel_size, stride, dilation, is_causal, scale = ctx.window
@@ -207,15 +233,13 @@ class _EagerFusedNA(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @first_order_only(WHO)
+    @second_order(lambda ctx: (ctx.saved_tensors[:4], functools.partial(_plain_attend, ctx.params, ctx.scale)))
     def backward(ctx, d_out, d_lse):
         def compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb):
             return launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale, deterministic,
                                    want_drpb)
 
         return (*_gradients(ctx.saved_tensors, d_out, d_lse, ctx.needs_input_grad, compute), None, None)
-
-    jvp = refuse_jvp(WHO)
 
 
 class _EagerFusedNAPacked(torch.autograd.Function):
@@ -231,7 +255,7 @@ class _EagerFusedNAPacked(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @first_order_only(WHO)
+    @second_order(lambda ctx: (ctx.saved_tensors[:2], functools.partial(_plain_attend_packed, ctx.params, ctx.scale)))
     def backward(ctx, d_out, d_lse):
         qkv, rpb, out, lse = ctx.saved_tensors
         want_drpb = rpb is not None and ctx.needs_input_grad[1]
@@ -239,7 +263,44 @@ class _EagerFusedNAPacked(torch.autograd.Function):
                                        drpb_deterministic(), want_drpb)
         return d_qkv, (drpb if want_drpb else None), None, None
 
-    jvp = refuse_jvp(WHO)
+
+class _ForwardMode(torch.autograd.Function):
+    """Fused attention under forward-mode AD (``torch.func.jvp``, dual tensors): the primal from the forward kernel,
+    the tangents of out and lse from the tangent kernel (``ops/fused/jvp.py``) in one pass over each window.  A
+    reverse-mode pass through the same call (``jacrev`` of a ``jvp``, or a backward) recomputes through the plain-op
+    reference (``ops.autodiff``)."""
+
+    @staticmethod
+    def forward(q, k, v, rpb, params: NAParams, scale: float):
+        return launch.forward(q, k, v, rpb, params, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, rpb, params, scale = inputs
+        ctx.save_for_forward(q, k, v, rpb, *output)
+        ctx.save_for_backward(q, k, v, rpb)
+        ctx.params, ctx.scale = params, scale
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, trpb, _params, _scale):
+        # under torch.func.jvp these are functorch wrappers, which the kernel cannot address: it reads their data
+        tensors = [_unwrapped(t) for t in (*ctx.saved_tensors, tq, tk, tv, trpb)]
+        q, k, v, rpb, out, lse, tq, tk, tv, trpb = tensors
+        with torch._C._DisableFuncTorch():  # (and its buffers plain tensors too)
+            return forward_tangent(q, k, v, rpb, tq, tk, tv, trpb, out, lse, ctx.params, ctx.scale)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        tensors = ctx.saved_tensors
+        return recomputed_gradients(ctx.needs_input_grad, tensors,
+                                    functools.partial(_plain_attend, ctx.params, ctx.scale), (d_out, d_lse))
+
+
+def _unwrapped(t):
+    """The plain tensor under ``torch.func``'s wrappers (``t`` itself outside any transform)."""
+    while isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
 
 
 def _traced(t: torch.Tensor) -> bool:
@@ -255,6 +316,8 @@ def _needs_grad(q, k, v, rpb) -> bool:
 
 def attention(q, k, v, params: NAParams, rpb, scale: float, need_lse: bool = True):
     """``(out, lse)``; lse is None where ``need_lse`` is False and no backward will need it."""
+    if not torch.compiler.is_compiling() and forward_mode((q, k, v, rpb)):
+        return _ForwardMode.apply(q, k, v, rpb, params, float(scale))
     if not _traced(q):
         if not _needs_grad(q, k, v, rpb):  # inference: no autograd node to build
             return launch.forward(q, k, v, rpb, params, float(scale), need_lse)
@@ -267,6 +330,8 @@ def attention(q, k, v, params: NAParams, rpb, scale: float, need_lse: bool = Tru
 
 def attention_qkvpacked(qkv, params: NAParams, rpb, scale: float, need_lse: bool = True):
     """``attention`` for packed ``qkv [B, *spatial, 3, H, D]``: ``(out, lse)``, lse None where not needed."""
+    if not torch.compiler.is_compiling() and forward_mode((qkv, rpb)):
+        return _ForwardMode.apply(*qkv.unbind(-3), rpb, params, float(scale))
     if not _traced(qkv):
         if not _needs_grad(qkv, qkv, qkv, rpb):
             q, k, v = qkv.unbind(-3)

@@ -16,7 +16,8 @@ import torch
 from ..backends import run_on_token_rows
 from ..window import NAParams
 from . import operators, torch_tiled
-from .autograd import AV, QK, Attention
+from ..registered import register
+from .autograd import AV, QK, Attention, attention_gradients, attention_rows
 
 __all__ = ["BACKEND", "GemmBackend", "QK", "AV", "Attention", "operators"]
 
@@ -25,6 +26,7 @@ __all__ = ["BACKEND", "GemmBackend", "QK", "AV", "Attention", "operators"]
 MEMORY_FRACTION = 0.9
 
 
+@torch._dynamo.assume_constant_result  # read once while dynamo traces: the graph keeps the choice it made
 def _free_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
@@ -42,7 +44,7 @@ def weight_bytes(problem) -> int:
     """Bytes of weights per batch element: float32 logits (float64 for float64), and when training on
     the Triton path with 16-bit inputs a separate dS in that precision (otherwise dS overwrites them)."""
     per_slot = 8 if problem.dtype == torch.float64 else 4
-    itemsize = torch.empty((), dtype=problem.dtype).element_size()
+    itemsize = problem.dtype.itemsize
     if problem.requires_grad and itemsize < 4:
         per_slot += itemsize
     return problem.params.num_tokens * problem.heads_q * problem.params.window_size * per_slot
@@ -51,8 +53,6 @@ def weight_bytes(problem) -> int:
 class GemmBackend:
     name = "gemm"
 
-    # Python-level tiling and cached tables: torch.compile runs these eagerly (a graph break).
-    @torch.compiler.disable
     def unsupported(self, problem) -> str | None:
         weights = weight_bytes(problem)
         free = _free_bytes(torch.device(problem.device))
@@ -61,8 +61,9 @@ class GemmBackend:
                     f"{free / 2**30:.1f} GiB free on {problem.device}")
         return None
 
-    @torch.compiler.disable
     def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
+        if torch.compiler.is_compiling():  # one opaque op in the graph (ops.registered)
+            return _registered(q, k, v, rpb, params, scale)
         return run_on_token_rows(Attention.apply, q, k, v, rpb, params, scale)
 
     def traced_attention(self, q, k, v, params: NAParams, rpb, scale):
@@ -77,4 +78,5 @@ def _traced_forward(q, k, v, rpb, params: NAParams, scale):
     return torch_tiled.attention_forward(q, k, v, params, scale, rpb)
 
 
+_registered = register("gemm", attention_rows, attention_gradients)
 BACKEND = GemmBackend()

@@ -10,20 +10,24 @@ Every backward is again PN / NN / IN (the paper's operator algebra):
   ``P * (dP - delta)`` (written over the logits where the precisions agree), ``dq = NN(dS, k)``,
   ``dk = IN(dS, q)``, ``delta = rowsum(dout * out) - dlse``.
 
-Tensors here are flat over space: ``[B, N, heads, dim]``.
+A backward with ``create_graph=True`` through ``Attention`` recomputes through the plain-op reference
+(``ops.autodiff.second_order``); ``QK`` / ``AV`` are first order.  Tensors here are flat over space:
+``[B, N, heads, dim]``.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..autodiff import first_order_only, refuse_jvp
+from ..autodiff import first_order_only, refuse_jvp, second_order
+from ..naive import plain_forward
 from . import operators as op
 from .torch_tiled import compute_dtype
 
 
 # who the refusals of ``ops.autodiff`` name
 UNFUSED = "na_qk / na_av (gemm operators)"
-BACKEND = "gemm backend"
 
 
 class QK(torch.autograd.Function):
@@ -73,45 +77,72 @@ class AV(torch.autograd.Function):
     jvp = refuse_jvp(UNFUSED)
 
 
+def attention_forward(q, k, v, rpb, params, scale):
+    """``(out, lse, logits)``: the float32 logits are what the backward reads (``attention_backward``)."""
+    ct = compute_dtype(q.dtype)
+    logits = op.pn(q, k, params, scale=scale, rpb=rpb, out_dtype=ct)
+    lse = op.row_logsumexp(logits)
+    out = op.nn(logits, v, params, lse=lse, out_dtype=q.dtype)
+    return out, lse, logits
+
+
+def attention_backward(q, k, v, rpb, logits, lse, out, d_out, d_lse, params, scale, overwrite: bool):
+    """``(dq, dk, dv, drpb or None)``.  ``overwrite``: dS may be written over ``logits`` where the precisions agree
+    (nothing else reads them in this backward); otherwise it gets its own buffer."""
+    ct = lse.dtype
+    d_out = d_out.contiguous()
+    delta = (d_out.to(ct) * out.to(ct)).sum(-1)
+    if d_lse is not None:
+        delta = delta - d_lse.to(ct)
+    dv = op.inn(logits, d_out, params, v.shape[2], lse=lse, out_dtype=v.dtype)
+    # dS feeds tensor-core GEMMs in the input precision anyway: store it in that precision there.
+    ds_dtype = q.dtype if op.uses_triton(q, q.shape[-1], v.shape[-1]) else ct
+    in_place = overwrite and ds_dtype == logits.dtype
+    ds = op.pn(d_out, v, params, ds=(logits, lse, delta), out_dtype=ds_dtype, out=logits if in_place else None)
+    del logits
+    dq = op.nn(ds, k, params, scale=scale, out_dtype=q.dtype)
+    dk = op.inn(ds, q, params, k.shape[2], scale=scale, out_dtype=k.dtype)
+    drpb = op.rpb_grad(ds, params, rpb) if rpb is not None else None
+    return dq, dk, dv, drpb
+
+
+def attention_rows(q, k, v, rpb, params, scale):
+    """``(out, lse)`` without autograd (``ops.registered``'s forward)."""
+    return attention_forward(q, k, v, rpb, params, scale)[:2]
+
+
+def attention_gradients(q, k, v, rpb, out, lse, d_out, d_lse, params, scale):
+    """The backward from the inputs alone (``ops.registered``'s backward): the logits are computed again (one PN)."""
+    logits = op.pn(q, k, params, scale=scale, rpb=rpb, out_dtype=lse.dtype)
+    return attention_backward(q, k, v, rpb, logits, lse, out, d_out, d_lse, params, scale, overwrite=True)
+
+
 class Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rpb, params, scale):
-        ct = compute_dtype(q.dtype)
-        logits = op.pn(q, k, params, scale=scale, rpb=rpb, out_dtype=ct)
-        lse = op.row_logsumexp(logits)
-        out = op.nn(logits, v, params, lse=lse, out_dtype=q.dtype)
+        out, lse, logits = attention_forward(q, k, v, rpb, params, scale)
         ctx.save_for_backward(q, k, v, rpb, logits, lse, out)
         ctx.params, ctx.scale = params, scale
         return out, lse
 
     @staticmethod
-    @first_order_only(BACKEND)
+    @second_order(lambda ctx: (ctx.saved_tensors[:4], functools.partial(_plain_attend, ctx.params, ctx.scale)))
     def backward(ctx, d_out, d_lse):
         q, k, v, rpb, logits, lse, out = ctx.saved_tensors
         params, scale = ctx.params, ctx.scale
-        ct = lse.dtype
-        # dS is written over the saved logits (below).  A further backward over a retained graph (retain_graph=True,
+        # dS is written over the saved logits.  A further backward over a retained graph (retain_graph=True,
         # gradcheck) recomputes them first: one PN, bitwise the forward's.
         logits = logits.data  # (writes through .data leave the saved tensor's version, so it can be unpacked again)
         if getattr(ctx, "logits_consumed", False):
-            op.pn(q, k, params, scale=scale, rpb=rpb, out_dtype=ct, out=logits)
+            op.pn(q, k, params, scale=scale, rpb=rpb, out_dtype=lse.dtype, out=logits)
         if d_out is None:
             d_out = torch.zeros_like(out)
-        d_out = d_out.contiguous()
-        delta = (d_out.to(ct) * out.to(ct)).sum(-1)
-        if d_lse is not None:
-            delta = delta - d_lse.to(ct)
-        dv = op.inn(logits, d_out, params, v.shape[2], lse=lse, out_dtype=v.dtype)
-        # dS feeds tensor-core GEMMs in the input precision anyway: store it in that precision there.
-        ds_dtype = q.dtype if op.uses_triton(q, q.shape[-1], v.shape[-1]) else ct
-        # Where dS has the logits' precision it overwrites them (nothing else reads them in this backward).
-        in_place = ds_dtype == logits.dtype
-        ds = op.pn(d_out, v, params, ds=(logits, lse, delta), out_dtype=ds_dtype, out=logits if in_place else None)
-        ctx.logits_consumed = in_place
-        del logits
-        dq = op.nn(ds, k, params, scale=scale, out_dtype=q.dtype)
-        dk = op.inn(ds, q, params, k.shape[2], scale=scale, out_dtype=k.dtype)
-        drpb = op.rpb_grad(ds, params, rpb) if rpb is not None else None
+        ds_dtype = q.dtype if op.uses_triton(q, q.shape[-1], v.shape[-1]) else lse.dtype
+        ctx.logits_consumed = ds_dtype == logits.dtype
+        dq, dk, dv, drpb = attention_backward(q, k, v, rpb, logits, lse, out, d_out, d_lse, params, scale,
+                                              overwrite=True)
         return dq, dk, dv, drpb, None, None
 
-    jvp = refuse_jvp(BACKEND)
+
+def _plain_attend(params, scale, q, k, v, rpb):
+    return plain_forward(q, k, v, rpb, params, scale)

@@ -11,8 +11,9 @@ import functools
 
 import torch
 
-from ..autodiff import first_order_only, refuse_jvp
+from ..autodiff import second_order
 from ..backends import constant_tensors, run_on_token_rows
+from ..registered import register
 from ..window import NAParams, neighbor_table
 
 # Upper bound on the bytes of one chunk's gathered keys (values are the same order of size).  GPUs get a
@@ -98,8 +99,9 @@ def _forward(q, k, v, params, rpb, scale):
     return out, lse
 
 
-def _traced_forward(q, k, v, rpb, params, scale):
-    """``_forward`` as a graph of tensor ops, for ``torch.export`` / ``torch.jit.trace``: constant index tables,
+def plain_forward(q, k, v, rpb, params, scale):
+    """``_forward`` as a graph of tensor ops, for ``torch.export`` / ``torch.jit.trace`` and for what autograd and
+    ``torch.func`` differentiate beyond first order (``ops.autodiff``): constant index tables,
     chunks sized for one batch element (the graph then serves any batch; the example's batch size would otherwise
     fix the number of chunks), the chunks' outputs concatenated instead of written into an empty tensor."""
     b, n, hq, d = q.shape
@@ -158,27 +160,37 @@ def _backward(q, k, v, params, rpb, scale, out, lse, d_out, d_lse):
     return dq, dk, dv_, drpb
 
 
+def _forward_rows(q, k, v, rpb, params, scale):
+    return _forward(q, k, v, params, rpb, scale)
+
+
+def _gradients(q, k, v, rpb, out, lse, d_out, d_lse, params, scale):
+    """``(dq, dk, dv, drpb or None)`` in the inputs' dtypes and shapes: the backward both autograd paths share."""
+    dq, dk, dv, drpb = _backward(q, k, v, params, rpb, scale, out, lse, d_out, d_lse)
+    if drpb is not None:
+        drpb = drpb.reshape(rpb.shape).to(rpb.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), drpb
+
+
 class _NaiveAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rpb, params, scale):
         out, lse = _forward(q, k, v, params, rpb, scale)
         ctx.save_for_backward(q, k, v, rpb, out, lse)
         ctx.params, ctx.scale = params, scale
-        ctx.mark_non_differentiable()
         return out, lse
 
     @staticmethod
-    @first_order_only("naive backend")
+    @second_order(lambda ctx: (ctx.saved_tensors[:4], functools.partial(_plain_attend, ctx.params, ctx.scale)))
     def backward(ctx, d_out, d_lse):
         q, k, v, rpb, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv, drpb = _backward(q, k, v, ctx.params, rpb, ctx.scale, out, lse, d_out, d_lse)
-        if drpb is not None:
-            drpb = drpb.reshape(rpb.shape).to(rpb.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), drpb, None, None
+        return (*_gradients(q, k, v, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale), None, None)
 
-    jvp = refuse_jvp("naive backend")
+
+def _plain_attend(params, scale, q, k, v, rpb):
+    return plain_forward(q, k, v, rpb, params, scale)
 
 
 class NaiveBackend:
@@ -188,11 +200,14 @@ class NaiveBackend:
         return None  # any device, any dtype, every window rule
 
     def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
+        if torch.compiler.is_compiling():  # one opaque op in the graph (ops.registered)
+            return _registered(q, k, v, rpb, params, scale)
         return run_on_token_rows(_NaiveAttention.apply, q, k, v, rpb, params, scale)
 
     def traced_attention(self, q, k, v, params: NAParams, rpb, scale):
         # (differentiable by the recorded ops themselves: a traced module can still be trained)
-        return run_on_token_rows(_traced_forward, q, k, v, rpb, params, scale)
+        return run_on_token_rows(plain_forward, q, k, v, rpb, params, scale)
 
 
+_registered = register("naive", _forward_rows, _gradients)
 BACKEND = NaiveBackend()
