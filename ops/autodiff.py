@@ -22,8 +22,8 @@ naive backend's gather form: constant index tables, per-chunk gathers, ``einsum`
 The call-time routing is skipped while ``torch.compile`` traces (the compiled graph calls the registered ops, and
 aot_autograd refuses a double backward through a compiled graph itself).
 
-``ops.unfused``'s weight operators (``na_qk`` / ``na_av``) are first order: ``check_call`` refuses forward mode and
-the transforms at the call, and ``first_order_only`` makes a second derivative through them raise.
+``ops.unfused``'s weight operators (``na_qk`` / ``na_av``) follow the same two rules with their own plain-op forms
+(``ops.naive.plain_qk`` / ``plain_av``).
 """
 from __future__ import annotations
 
@@ -31,11 +31,9 @@ import functools
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
-from torch._C import _functions
 
 __all__ = ["reference_attention", "reference_reason", "forward_mode", "recomputed_gradients", "second_order",
-           "REFERENCE", "check_call", "first_order_only", "refuse_forward_ad", "refuse_jvp", "double_backward_message",
-           "forward_ad_message"]
+           "REFERENCE", "refuse_forward_ad"]
 
 # torch.func transform kinds (``torch._C._functorch.TransformType`` names, lower case) and what a user calls them
 _TRANSFORM_NAMES = {
@@ -152,23 +150,9 @@ def _recomputed_gradients(needs_input_grad, tensors, attend, grads):
     return tuple(result)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the weight operators of ops.unfused: first order, refusals that name the operator
-# ---------------------------------------------------------------------------------------------------------------
-def double_backward_message(who: str) -> str:
-    return (f"{who}: double backward (create_graph=True followed by a backward through the gradients, or "
-            f"torch.autograd.grad of a gradient) is not supported: the backward runs kernels that autograd does not "
-            f"record. First-order gradients are exact; ops.na1d / na2d / na3d serve second derivatives.")
-
-
 def forward_ad_message(who: str) -> str:
-    return (f"{who}: forward-mode AD (torch.func.jvp / jacfwd / hessian, torch.autograd.forward_ad dual tensors) is "
-            f"not supported here; ops.na1d / na2d / na3d serve it.")
-
-
-def transform_message(who: str, transform: str) -> str:
-    return (f"{who}: {_TRANSFORM_NAMES.get(transform, 'torch.func.' + transform)} is not supported; call the "
-            f"operator outside the transform, or use ops.na1d / na2d / na3d, which serve it.")
+    return (f"{who}: forward-mode AD reached a kernel without a tangent rule (a direct call of a registered op); "
+            f"call ops.na1d / na2d / na3d, which serve forward mode.")
 
 
 def refuse_forward_ad(who: str, tensors) -> None:
@@ -176,64 +160,3 @@ def refuse_forward_ad(who: str, tensors) -> None:
     for kernels without a tangent rule, reached only by calls that bypass ``ops.functional``'s routing."""
     if _forward_ad._current_level >= 0 and any(_has_tangent(t) for t in tensors):
         raise RuntimeError(forward_ad_message(who))
-
-
-def check_call(who: str, tensors) -> None:
-    """Refuses, before anything runs, a call that would be differentiated in forward mode or run under a
-    ``torch.func`` transform.  Skipped while ``torch.compile`` traces."""
-    if torch.compiler.is_compiling():
-        return
-    if torch._C._are_functorch_transforms_active():
-        for kind in _active_transforms():
-            if kind == "jvp":
-                raise RuntimeError(forward_ad_message(who))
-            raise RuntimeError(transform_message(who, kind))
-    refuse_forward_ad(who, tensors)
-
-
-def refuse_jvp(who: str):
-    """A ``jvp`` staticmethod for an ``autograd.Function``: forward-mode AD raises ``forward_ad_message``."""
-
-    def jvp(ctx, *tangents):
-        raise RuntimeError(forward_ad_message(who))
-
-    return staticmethod(jvp)
-
-
-def first_order_only(who: str):
-    """Decorates a backward whose own operations autograd must not be asked to differentiate.
-
-    Without ``create_graph`` it is called as it is.  With it, it runs under ``no_grad`` and its gradients are tied
-    to everything they depend on (the saved tensors and incoming gradients that require grad) through a node
-    that raises ``double_backward_message(who)`` when a second derivative reaches it.  Unlike
-    ``torch.autograd.function.once_differentiable``, which ties them to the incoming gradients only, this also
-    catches second derivatives with respect to the operator's own inputs."""
-    message = double_backward_message(who)
-
-    def decorate(backward):
-        @functools.wraps(backward)
-        def wrapper(ctx, *grads):
-            if not torch.is_grad_enabled():
-                return backward(ctx, *grads)
-            sources = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
-            with torch.no_grad():
-                result = backward(ctx, *grads)
-            return _tie_to_error(result, sources, message)
-
-        return wrapper
-
-    return decorate
-
-
-def _tie_to_error(result, sources, message: str):
-    """``result`` (a tensor or a tuple holding tensors / None) with each tensor replaced by an alias whose grad_fn
-    raises ``message``, its next edges ``sources``."""
-    single = not isinstance(result, tuple)
-    values = [result] if single else list(result)
-    slots = [i for i, t in enumerate(values) if isinstance(t, torch.Tensor)]
-    if not slots or not sources:  # nothing upstream requires grad: the gradients are constants
-        return result
-    tied = _functions.DelayedError(message, len(slots) + len(sources))(*(values[i] for i in slots), *sources)
-    for i, t in zip(slots, tied):
-        values[i] = t
-    return values[0] if single else tuple(values)

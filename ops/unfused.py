@@ -10,7 +10,8 @@ visualised, dropped out, or put through another normalisation:
 * ``na_av(rank, attn, value, kernel_size, ...)`` -> ``[B, *spatial, H, Dv]``: weights times the values
   of the same slots (empty causal slots are ignored whatever ``attn`` holds there).
 
-Both are differentiable and run on the ``gemm`` backend's PN / NN kernels (backward: PN / NN / IN).
+Both are differentiable and run on the ``gemm`` backend's PN / NN kernels (backward: PN / NN / IN); second
+derivatives, forward mode and ``torch.func`` transforms go through their plain-op forms (``ops.autodiff``).
 ``softmax(na_qk(q * scale, k)) -> na_av`` equals ``ops.na2d(q, k, v)`` up to rounding.
 
 Example: look at the weights of one query (``examples/attention_weights.py`` draws them as a PNG)::
@@ -37,9 +38,11 @@ import math
 
 import torch
 
-from .autodiff import check_call
+from .autodiff import reference_reason
+from .backends import log
 from .functional import check_rpb, check_tensor_pair, window_params
-from .gemm.autograd import AV, QK, UNFUSED
+from .gemm.autograd import AV, QK
+from .naive import plain_av, plain_qk
 
 __all__ = ["na_qk", "na_av", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av", "na3d_av"]
 
@@ -60,6 +63,16 @@ def _apply(function, *args):
     return function.apply(*args)
 
 
+def _run(function, plain, *args):
+    """``function`` (the gemm kernels), or under forward mode and ``torch.func`` transforms its plain-op form
+    (``ops.autodiff``), which those differentiate exactly."""
+    reason = reference_reason([a for a in args if isinstance(a, torch.Tensor)])
+    if reason is not None:
+        log.debug("na_qk / na_av run their plain-op form: %s", reason)
+        return plain(*args)
+    return _apply(function, *args)
+
+
 def _flat(t: torch.Tensor, rank: int) -> torch.Tensor:
     """[B, *spatial, H, X] -> contiguous [B, N, H, X]."""
     return t.reshape(t.shape[0], math.prod(t.shape[1: rank + 1]), t.shape[-2], t.shape[-1]).contiguous()
@@ -76,8 +89,7 @@ def na_qk(rank: int, query, key, kernel_size, stride=1, dilation=1, is_causal=Fa
         raise ValueError(f"head dim: key head dim {key.shape[-1]} differs from query head dim {query.shape[-1]}")
     params = window_params(query, rank, kernel_size, stride, dilation, is_causal)
     check_rpb(rpb, query, params)
-    check_call(UNFUSED, (query, key, rpb))
-    logits = _apply(QK, _flat(query, rank), _flat(key, rank), rpb, params)
+    logits = _run(QK, plain_qk, _flat(query, rank), _flat(key, rank), rpb, params)
     return logits.reshape(*query.shape[:-1], params.window_size)
 
 
@@ -93,8 +105,7 @@ def na_av(rank: int, attn, value, kernel_size, stride=1, dilation=1, is_causal=F
             f"attn: last dim must be prod(kernel_size) = {params.window_size} (one weight per window slot), "
             f"got {attn.shape[-1]}"
         )
-    check_call(UNFUSED, (attn, value))
-    out = _apply(AV, _flat(attn, rank), _flat(value, rank), params)
+    out = _run(AV, plain_av, _flat(attn, rank), _flat(value, rank), params)
     return out.reshape(*attn.shape[:-1], value.shape[-1])
 
 

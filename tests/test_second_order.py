@@ -246,19 +246,36 @@ def test_meta_tensors_propagate_shapes(backend):
     assert dq.shape == q.shape and dkv.shape == kv.shape and dq.device.type == "meta"
 
 
-def test_unfused_operators_refuse_double_backward_and_forward_ad():
-    """ops.na_qk / na_av (the gemm operators): a gradient of their gradients, and dual inputs, raise naming them."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_unfused_operators_second_order_forward_mode_and_vmap(causal):
+    """ops.na_qk / na_av (the gemm operators): gradcheck and gradgradcheck (float64), jvp against central finite
+    differences, vmap against a loop; with RPB where it is defined, GQA and dilation."""
     gen = torch.Generator().manual_seed(16)
-    q, k = (torch.randn(1, *SPATIAL, 2, 4, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
-    (dq,) = torch.autograd.grad(ops.na2d_qk(q, k, K).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"na_qk / na_av \(gemm operators\): double backward"):
-        torch.autograd.grad(dq.sum(), k)
-    attn = torch.randn(1, *SPATIAL, 2, 9, dtype=torch.float64, generator=gen, requires_grad=True)
-    (dattn,) = torch.autograd.grad(ops.na2d_av(attn, k, K).square().sum(), attn, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"na_qk / na_av \(gemm operators\): double backward"):
-        dattn.sum().backward()
-    with fwAD.dual_level(), pytest.raises(RuntimeError, match=r"na_qk / na_av \(gemm operators\): forward-mode AD"):
-        ops.na2d_qk(fwAD.make_dual(q.detach(), torch.ones_like(q)), k.detach(), K)
+    shape = (1, *SPATIAL)
+    q = torch.randn(*shape, 4, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(*shape, 2, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(*shape, 2, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    rpb = None if causal else torch.randn(4, 5, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    window = dict(kernel_size=K, dilation=(1, 2), is_causal=(causal, False))
+
+    def attend(q, k, v, *rpb):
+        logits = ops.na2d_qk(q, k, rpb=rpb[0] if rpb else None, **window)
+        return ops.na2d_av(logits.softmax(-1), v, **window)
+
+    tensors = (q, k, v) if rpb is None else (q, k, v, rpb)
+    assert torch.autograd.gradcheck(attend, tensors)
+    assert torch.autograd.gradgradcheck(attend, tensors, fast_mode=True)
+    tangents = tuple(torch.randn(t.shape, dtype=t.dtype, generator=gen) for t in tensors)
+    primal, tangent = torch.func.jvp(attend, tensors, tangents)
+    eps = 1e-6
+    numeric = (attend(*(t + eps * d for t, d in zip(tensors, tangents)))
+               - attend(*(t - eps * d for t, d in zip(tensors, tangents)))) / (2 * eps)
+    assert tangent.abs().max() > 0
+    torch.testing.assert_close(tangent, numeric, rtol=1e-6, atol=1e-6)
+    batch = [torch.stack([t.detach(), t.detach() * 0.5]) for t in (q, k, v)]
+    mapped = torch.func.vmap(lambda q, k, v: attend(q, k, v, *tensors[3:]))(*batch)
+    looped = torch.stack([attend(*(b[i] for b in batch), *tensors[3:]) for i in range(2)])
+    torch.testing.assert_close(mapped, looped, rtol=1e-12, atol=1e-12)
 
 
 @needs_fused

@@ -6,8 +6,9 @@ block sparsity wastes most of its work on 2-D/3-D windows, which is what the ``f
 fixes.  On CUDA the attention runs through ``torch.compile`` (flex's fast path); on CPU it runs
 eagerly unless ``ops.flex.COMPILE_ON_CPU`` is set (compiling costs seconds per new shape).
 
-Gradients (CUDA) are first order: the inputs pass through ``_FirstOrder``, whose backward makes a double backward
-raise (``ops.autodiff``), whatever torch's flex backward would do with one.
+Gradients (CUDA): an eager call sits behind one autograd node (``_Recorded``) whose first-order backward is flex's
+own and whose backward with ``create_graph=True`` recomputes through the plain-op reference (``ops.autodiff``);
+flex's backward is not differentiable.  A model compiled by the user traces flex inline.
 
 flex multiplies whole blocks (CUDA) or the whole score matrix (CPU's eager reference) by the values, where a
 zero weight outside a window times a NaN (or infinite) value is NaN; a call whose values hold one runs again

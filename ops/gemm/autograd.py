@@ -11,8 +11,8 @@ Every backward is again PN / NN / IN (the paper's operator algebra):
   ``dk = IN(dS, q)``, ``delta = rowsum(dout * out) - dlse``.
 
 A backward with ``create_graph=True`` through ``Attention`` recomputes through the plain-op reference
-(``ops.autodiff.second_order``); ``QK`` / ``AV`` are first order.  Tensors here are flat over space:
-``[B, N, heads, dim]``.
+(``ops.autodiff.second_order``), as does one through ``QK`` / ``AV`` (through ``ops.naive``'s plain forms of the
+operators).  Tensors here are flat over space: ``[B, N, heads, dim]``.
 """
 from __future__ import annotations
 
@@ -20,14 +20,12 @@ import functools
 
 import torch
 
-from ..autodiff import first_order_only, refuse_jvp, second_order
-from ..naive import plain_forward
+from ..autodiff import second_order
+from ..naive import plain_av, plain_forward, plain_qk
 from . import operators as op
 from .torch_tiled import compute_dtype
 
 
-# who the refusals of ``ops.autodiff`` name
-UNFUSED = "na_qk / na_av (gemm operators)"
 
 
 class QK(torch.autograd.Function):
@@ -38,7 +36,7 @@ class QK(torch.autograd.Function):
         return op.pn(q, k, params, rpb=rpb, out_dtype=q.dtype)
 
     @staticmethod
-    @first_order_only(UNFUSED)
+    @second_order(lambda ctx: (ctx.saved_tensors, functools.partial(_plain_qk, ctx.params)))
     def backward(ctx, d_logits):
         q, k, rpb = ctx.saved_tensors
         params = ctx.params
@@ -51,8 +49,6 @@ class QK(torch.autograd.Function):
             drpb = op.rpb_grad(d_logits, params, rpb)
         return dq, dk, drpb, None
 
-    jvp = refuse_jvp(UNFUSED)
-
 
 class AV(torch.autograd.Function):
     @staticmethod
@@ -62,7 +58,7 @@ class AV(torch.autograd.Function):
         return op.nn(attn, v, params, out_dtype=v.dtype)
 
     @staticmethod
-    @first_order_only(UNFUSED)
+    @second_order(lambda ctx: (ctx.saved_tensors, functools.partial(_plain_av, ctx.params)))
     def backward(ctx, d_out):
         attn, v = ctx.saved_tensors
         params = ctx.params
@@ -73,8 +69,6 @@ class AV(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dv = op.inn(attn, d_out, params, v.shape[2], out_dtype=v.dtype)
         return d_attn, dv, None
-
-    jvp = refuse_jvp(UNFUSED)
 
 
 def attention_forward(q, k, v, rpb, params, scale):
@@ -142,6 +136,14 @@ class Attention(torch.autograd.Function):
         dq, dk, dv, drpb = attention_backward(q, k, v, rpb, logits, lse, out, d_out, d_lse, params, scale,
                                               overwrite=True)
         return dq, dk, dv, drpb, None, None
+
+
+def _plain_qk(params, q, k, rpb):
+    return (plain_qk(q, k, rpb, params),)
+
+
+def _plain_av(params, attn, v):
+    return (plain_av(attn, v, params),)
 
 
 def _plain_attend(params, scale, q, k, v, rpb):

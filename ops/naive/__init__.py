@@ -160,6 +160,35 @@ def _backward(q, k, v, params, rpb, scale, out, lse, d_out, d_lse):
     return dq, dk, dv_, drpb
 
 
+def plain_qk(q, k, rpb, params):
+    """``ops.unfused.na_qk`` on flat ``[B, N, H, D]`` tensors as plain tensor ops: ``[B, N, H, prod(K)]`` logits,
+    ``-inf`` in empty causal slots (what autograd and ``torch.func`` differentiate beyond first order)."""
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    key_idx, valid, rel, all_valid = _constant_tables(params, torch.device(q.device), 0, n)
+    w = key_idx.shape[1]
+    keys = k.index_select(1, key_idx.reshape(-1)).reshape(b, n, w, hkv, d)
+    logits = torch.einsum("bnkgd,bnwkd->bnkgw", q.reshape(b, n, hkv, hq // hkv, d), keys).reshape(b, n, hq, w)
+    if rpb is not None:
+        logits = logits + rpb.flatten(1)[:, rel].permute(1, 0, 2).to(logits.dtype)  # [N, H, W]
+    if not all_valid:
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    return logits
+
+
+def plain_av(attn, v, params):
+    """``ops.unfused.na_av`` on flat tensors as plain tensor ops: weights ``[B, N, H, prod(K)]`` times the values of
+    their slots, ``[B, N, H, Dv]`` (empty causal slots ignored)."""
+    b, n, hq, w = attn.shape
+    hkv, dv = v.shape[2], v.shape[3]
+    key_idx, valid, _, all_valid = _constant_tables(params, torch.device(v.device), 0, n)
+    if not all_valid:
+        attn = attn.masked_fill(~valid[:, None, :], 0.0)
+    values = v.index_select(1, key_idx.reshape(-1)).reshape(b, n, w, hkv, dv)
+    out = torch.einsum("bnkgw,bnwkd->bnkgd", attn.reshape(b, n, hkv, hq // hkv, w), values)
+    return out.reshape(b, n, hq, dv)
+
+
 def _forward_rows(q, k, v, rpb, params, scale):
     return _forward(q, k, v, params, rpb, scale)
 
