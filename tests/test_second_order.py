@@ -493,3 +493,71 @@ def test_fused_forward_mode_runs_the_tangent_kernel(monkeypatch):
     _, want = torch.func.jvp(lambda q: _attend("oracle")(q, q, q), (_reference(q),), (_reference(t),))
     for tangent in (got, packed):
         torch.testing.assert_close(tangent.double().cpu(), want, rtol=2e-4, atol=2e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# whole models: what consistency-model training and gradient penalties do
+# ---------------------------------------------------------------------------------------------------------------
+def _tiny_dinat(backend):
+    import timm
+
+    import namodels  # noqa: F401
+
+    torch.manual_seed(0)
+    model = timm.create_model("dinat_mini", embed_dim=8, depths=(1, 1, 1, 1), num_heads=(1, 1, 2, 2),
+                              dilations=((1,), (1,), (2,), (1,)), num_classes=3, backend=backend)
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("backend", ["naive", "gemm"])
+def test_model_jvp_and_gradient_penalty(backend):
+    """DiNAT: torch.func.jvp of the logits in the input equals central finite differences, and an R1-style penalty
+    (the squared input gradient, taken with create_graph=True) has the parameter gradient its finite differences
+    along a random parameter direction give."""
+    model = _tiny_dinat(backend)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 3, 32, 32, dtype=torch.float64, generator=gen)
+    dx = torch.randn(x.shape, dtype=torch.float64, generator=gen)
+    _, tangent = torch.func.jvp(model, (x,), (dx,))
+    eps = 1e-6
+    with torch.no_grad():
+        numeric = (model(x + eps * dx) - model(x - eps * dx)) / (2 * eps)
+    assert tangent.abs().max() > 0
+    torch.testing.assert_close(tangent, numeric, rtol=1e-6, atol=1e-7)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def penalty():
+        xi = x.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(model(xi).square().sum(), xi, create_graph=True)
+        return g.square().sum()
+
+    grads = torch.autograd.grad(penalty(), params)
+    direction = [torch.randn(p.shape, dtype=p.dtype, generator=gen) for p in params]
+    analytic = sum((g * u).sum() for g, u in zip(grads, direction))
+    with torch.no_grad():
+        for p, u in zip(params, direction):
+            p.add_(eps * u)
+    plus = penalty().item()
+    with torch.no_grad():
+        for p, u in zip(params, direction):
+            p.sub_(2 * eps * u)
+    minus = penalty().item()
+    assert abs(analytic.item()) > 0
+    torch.testing.assert_close(analytic.item(), (plus - minus) / (2 * eps), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.gpu
+def test_model_forward_mode_on_the_gpu_matches_the_reference_path():
+    """On CUDA the block's tape steps aside under forward mode (dual tensors) and the fused tangent kernel serves the
+    attention: the model's tangent equals the naive backend's in float32."""
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA device")
+    model = _tiny_dinat(None).float().cuda()
+    gen = torch.Generator().manual_seed(2)
+    x, dx = (torch.randn(2, 3, 32, 32, generator=gen).cuda() for _ in range(2))
+    tangents = {}
+    for backend in ("fused", "naive"):
+        with ops.use_backend(backend), fwAD.dual_level():
+            tangents[backend] = fwAD.unpack_dual(model(fwAD.make_dual(x, dx))).tangent
+    torch.testing.assert_close(tangents["fused"], tangents["naive"], rtol=1e-3, atol=1e-4)

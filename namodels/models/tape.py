@@ -16,9 +16,9 @@ saved.
 The rule (:func:`route`): the tape runs in eager mode when the block is built as it computes (exact module types,
 fast_norm's LayerNorm included), nothing is hooked, no dropout is active and the fused backend serves the attention.
 Every other call runs the block function with ``block.OPS``, the primitives' torch forms: traced code
-(``torch.compile``, export, ``jit.trace``: graphs record plain ops), functorch transforms, attention dropout while
-training (which needs the attention weights: the unfused route), hooks, parametrised or swapped layers (called as
-modules), other NA backends.  Each call sets ``block.path`` (``"tape"`` or ``"ops"``) and ``block.path_reason`` (why
+(``torch.compile``, export, ``jit.trace``: graphs record plain ops), functorch transforms and forward-mode AD (the
+tape's kernels have no tangent rule), attention dropout while training (which needs the attention weights: the
+unfused route), hooks, parametrised or swapped layers (called as modules), other NA backends.  Each call sets ``block.path`` (``"tape"`` or ``"ops"``) and ``block.path_reason`` (why
 not the tape, else None), and each reason is logged once per block at DEBUG level (eager calls; compiled code runs
 no Python per call).  ``ENABLED = False`` turns the tape off.
 """
@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from timm.layers import DropPath, Mlp
 from torch import nn
 from torch.nn.modules import module as _module_hooks
@@ -328,6 +329,8 @@ def route(block, p: B.BlockParts, x: torch.Tensor) -> BlockSettings | str:
         return "traced: a graph records the torch forms"
     if torch._C._are_functorch_transforms_active():
         return "a functorch transform is active"
+    if _forward_ad._current_level >= 0:  # the tape's kernels have no tangent rule: dual inputs would lose theirs
+        return "forward-mode AD is active (torch.autograd.forward_ad)"
     if x.dim() != 4 or not x.is_contiguous():
         return "x is not a contiguous [B, H, W, C] map"
     refusal = _cached_structure_refusal(block, p) or _hooks_or_dropout(p)
