@@ -2,6 +2,7 @@
 
     python -m ops.bench                              # forward, bf16, every problem, fused/flex/naive
     python -m ops.bench --backward                   # forward + backward
+    python -m ops.bench --jvp --backends fused,naive # forward-mode AD: torch.func.jvp in every input
     python -m ops.bench --problems nat-s1,2d-flux --backends fused,flex
     python -m ops.bench --custom "mine:2,8,64,64x64,13x13,1,1,0"   # name:B,H,D,spatial,K,stride,dilation,causal
     python -m ops.bench --out results/op_bench       # writes op_bench.csv and op_bench.json
@@ -240,10 +241,22 @@ def _reference_sample(q, k, v, rpb, params, scale, samples, gen):
 PORTABLE = "fused-portable"
 
 
-def _backend_call(p: BenchProblem, name: str, q, k, v, rpb, d_out=None):
+def _backend_call(p: BenchProblem, name: str, q, k, v, rpb, d_out=None, tangents=None):
     """``(call, fn)`` for one backend on its own leaves of the inputs: ``call()`` returns the attention output, ``fn()``
-    is what gets timed (``call`` and, given ``d_out``, its backward).  Built per backend in a function of its own,
-    since the timing rounds run after every backend's first call."""
+    is what gets timed (``call`` and, given ``d_out``, its backward; given ``tangents``, ``torch.func.jvp`` of it in
+    every input).  Built per backend in a function of its own, since the timing rounds run after every backend's
+    first call."""
+    if tangents is not None:
+        leaves = (q, k, v) + ((rpb,) if rpb is not None else ())
+        backend = "fused" if name == PORTABLE else name
+
+        def attend(q, k, v, rpb=None):
+            return p.attention(q, k, v, rpb, backend)
+
+        def jvp():
+            return torch.func.jvp(attend, leaves, tangents[: len(leaves)])
+
+        return (lambda: attend(*leaves)), jvp
     if d_out is not None:
         q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
         rpb = rpb.detach().requires_grad_(True) if rpb is not None else None
@@ -275,15 +288,23 @@ def _backend_call(p: BenchProblem, name: str, q, k, v, rpb, d_out=None):
 DEVICE = "cuda"  # the benchmark's device (tests run ``run_problem`` on the CPU with a stand-in timer)
 
 
-def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log) -> list[Row]:
+def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log, jvp: bool = False) -> list[Row]:
+    """``jvp``: time ``torch.func.jvp`` in every input (q, k, v, rpb) instead of the forward; counted as 3x the
+    forward's FLOPs (per query-key pair the logits and their tangent take three dot products, the output and its
+    tangent three weighted sums, against one and one)."""
     device = torch.device(DEVICE)
     params = p.params
     n = params.num_tokens
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v, rpb = p.random_inputs(device, dtype, gen)
     d_out = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
-    mode = "fwd+bwd" if backward else "fwd"
-    factor = 3.5 if backward else 1.0
+    tangents = None
+    if jvp:
+        backward = False
+        tangents = tuple(torch.randn(t.shape, device=device, dtype=t.dtype, generator=gen)
+                         for t in (q, k, v, rpb) if t is not None)
+    mode = "jvp" if jvp else "fwd+bwd" if backward else "fwd"
+    factor = 3.0 if jvp else 3.5 if backward else 1.0
     w = keys_per_query(params)
     na_flops = factor * 4 * p.batch * p.heads * n * w * p.dim
     sdpa_flops = factor * 4 * p.batch * p.heads * n * n * p.dim
@@ -300,7 +321,15 @@ def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log)
     sq, sk, sv = (t.reshape(p.batch, n, p.heads, p.dim).transpose(1, 2).contiguous() for t in (q, k, v))
     sdo = d_out.reshape(p.batch, n, p.heads, p.dim).transpose(1, 2).contiguous()
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if backward:
+    if jvp:  # dense forward mode has the math kernel only (the fused SDPA kernels define no tangent)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        stangents = tuple(t.reshape(p.batch, n, p.heads, p.dim).transpose(1, 2).contiguous() for t in tangents[:3])
+
+        def sdpa_fn():
+            with sdpa_kernel([SDPBackend.MATH]):
+                torch.func.jvp(sdpa, (sq, sk, sv), stangents)
+    elif backward:
         for t in (sq, sk, sv):
             t.requires_grad_(True)
 
@@ -323,7 +352,7 @@ def run_problem(p: BenchProblem, backends, backward, dtype, ceilings, args, log)
                 row.note = reason
                 log(f"  {name:10s} {reason}")
                 continue
-        call, fn = _backend_call(p, name, q, k, v, rpb, d_out if backward else None)
+        call, fn = _backend_call(p, name, q, k, v, rpb, d_out if backward else None, tangents)
         t0 = time.time()
         seen = _fused_choices() if name == "fused" else {}
         try:
@@ -458,6 +487,9 @@ def main(argv=None):
     ap.add_argument("--custom", action="append", default=[], help="name:B,H,D,spatial,K[,stride,dilation,causal,rpb]")
     ap.add_argument("--backends", default="fused,flex,naive")
     ap.add_argument("--backward", action="store_true", help="time forward + backward")
+    ap.add_argument("--jvp", action="store_true",
+                    help="time torch.func.jvp in every input (forward mode; fused: its tangent kernel, the other "
+                         "backends: the plain-op reference)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--autotune", action="store_true", help="tune fused kernels (cached on disk) before timing")
     ap.add_argument("--check", type=int, default=0, help="check fused on this many sampled queries (fwd only)")
@@ -471,6 +503,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.jvp and (args.backward or args.kernels or args.check):
+        ap.error("--jvp times forward mode alone: leave out --backward, --kernels and --check")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -504,7 +538,7 @@ def main(argv=None):
     for i, p in enumerate(problems, 1):  # "[i/n]": how far the run is (ops imports no progress-bar library)
         log(f"[{i}/{len(problems)}] {p.name}: B={p.batch} H={p.heads} D={p.dim} spatial={p.spatial} K={p.kernel_size} s={p.stride} "
             f"d={p.dilation} causal={p.causal} rpb={p.rpb}")
-        rows += run_problem(p, backends, args.backward, dtype, env, args, log)
+        rows += run_problem(p, backends, args.backward, dtype, env, args, log, jvp=args.jvp)
         if args.kernels:
             gen = torch.Generator(device="cuda").manual_seed(0)
             q, k, v, rpb = p.random_inputs(torch.device("cuda"), dtype, gen)

@@ -206,3 +206,27 @@ def test_the_stage_problems_cover_every_na_layer_of_nat_tiny_dinat_tiny_and_nat_
                 key = (attn.num_heads, attn.head_dim, (side, side), tuple(attn.kernel_size), tuple(dilation))
                 assert key in problems, (name, i, key)
                 assert problems[key].batch == 128
+
+
+def test_jvp_mode_times_forward_mode_of_every_backend_and_of_sdpa(monkeypatch):
+    """``--jvp``: each backend's timed call is torch.func.jvp in every input (q, k, v, rpb), giving the same tangent
+    on every backend; SDPA's baseline is its dense jvp; the rows say ``jvp`` and count 3x the forward's FLOPs."""
+    import argparse
+
+    results = {}
+
+    def fake_bench(fn, warmup, rep):
+        results.setdefault(fn, fn())
+        return 1.0
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_bench", fake_bench)
+    p = bench.BenchProblem("tiny", 1, 2, 8, (6, 6), (3, 3), rpb=True)
+    args = argparse.Namespace(rounds=1, warmup=1, rep=1, check=0)
+    ceilings = {"matmul_bf16_TFLOPs": 1.0, "copy_GBps": 1.0}
+    rows = bench.run_problem(p, ["naive", "gemm"], False, torch.float32, ceilings, args, lambda msg: None, jvp=True)
+    assert [(row.backend, row.mode) for row in rows] == [("sdpa", "jvp"), ("naive", "jvp"), ("gemm", "jvp")]
+    tangents = [result[1] for result in results.values() if result is not None]
+    assert len(tangents) == 2 and tangents[0].abs().max() > 0
+    torch.testing.assert_close(tangents[0], tangents[1], rtol=1e-4, atol=1e-4)
+    assert rows[1].tflops == pytest.approx(3.0 * 4 * 2 * 36 * 9 * 8 / 1.0 / 1e9)
