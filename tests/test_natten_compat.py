@@ -89,6 +89,58 @@ def test_additional_keys_and_values_match_the_oracle(natten):
     assert_matches_oracle(heads_last(out, 2), ref, [q, k, v, ek, ev])
 
 
+def test_nested_tensors_run_per_image_and_match_the_oracle(natten):
+    """NATTEN 0.17's nested inputs to the unfused functions: images of different sizes (each a heads-first batch of
+    its own), additional keys nested alike, results nested; every image equals the oracle.  Mixed nested and plain
+    arguments, and nested tensors that require grad, are refused naming the argument, as NATTEN refuses them."""
+    sizes, tensors = [(6, 5), (7, 8)], []
+    for i, spatial in enumerate(sizes):
+        q, k, v, ek, ev = problem(spatial, seed=10 + i, extra=2)
+        tensors.append([t.detach() for t in (q, k, v, ek, ev)])
+    nested = [torch.nested.nested_tensor([heads_first(t[j], 2) if j < 3 else t[j].transpose(1, 2) for t in tensors])
+              for j in range(5)]
+    q, k, v, ek, ev = nested
+    rpb = torch.randn(2, 5, 5, dtype=torch.float64)
+    attn = natten.functional.na2d_qk(q * 0.5, k, 3, 1, additional_keys=ek, rpb=rpb)
+    weights = torch.nested.nested_tensor([a.softmax(-1) for a in attn.unbind()])
+    out = natten.functional.na2d_av(weights, v, 3, 1, additional_values=ev)
+    assert out.is_nested and out.size(0) == 2
+    for spatial, (q1, k1, v1, ek1, ev1), o in zip(sizes, tensors, out.unbind()):
+        ref, _ = oracle_attention(q1, k1, v1, spatial, (3, 3), (1, 1), (1, 1), (False, False), rpb=rpb, scale=0.5,
+                                  extra_k=ek1, extra_v=ev1)
+        torch.testing.assert_close(heads_last(o, 2), ref, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="^key: query, key must all be nested"):
+        natten.functional.na2d_qk(q, heads_first(tensors[0][1], 2), 3, 1)
+    with pytest.raises(ValueError, match="^query: autograd is not supported for nested tensors"):
+        natten.functional.na2d_qk(q.clone().requires_grad_(True), k, 3, 1)
+
+
+def test_forward_mode_and_second_derivatives_through_the_functions(natten):
+    """jvp through transformers' calls (natten2dqkrpb -> softmax -> natten2dav) equals the oracle's, and so does a
+    gradient of a gradient."""
+    q, k, v, _, _ = problem((7, 6))
+    rpb = torch.randn(2, 5, 5, dtype=torch.float64, requires_grad=True)
+
+    def ours(q, k, v, rpb):
+        attn = natten.functional.natten2dqkrpb(heads_first(q, 2) * 0.5, heads_first(k, 2), rpb, 3, 1)
+        return heads_last(natten.functional.natten2dav(attn.softmax(-1), heads_first(v, 2), 3, 1), 2)
+
+    def oracle(q, k, v, rpb):
+        return oracle_attention(q, k, v, (7, 6), (3, 3), (1, 1), (1, 1), (False, False), rpb=rpb, scale=0.5)[0]
+
+    inputs = (q, k, v, rpb)
+    tangents = tuple(torch.randn_like(t) for t in inputs)
+    torch.testing.assert_close(torch.func.jvp(ours, inputs, tangents)[1], torch.func.jvp(oracle, inputs, tangents)[1],
+                               rtol=1e-9, atol=1e-9)
+
+    def second(f):
+        (dq,) = torch.autograd.grad(f(*inputs).square().sum(), q, create_graph=True)
+        return torch.autograd.grad(dq.sum(), inputs)
+
+    for a, b in zip(second(ours), second(oracle)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8)
+
+
 @pytest.mark.parametrize("rank, spatial, kernel, dilation", [(1, (10,), 5, 2), (2, (9, 8), 3, 2), (3, (5, 5, 6), 3, 1)])
 def test_names_before_0_17_match_the_oracle(natten, rank, spatial, kernel, dilation):
     """natten{1,2,3}dqkrpb / natten{1,2,3}dav with their argument orders (3-D: depth arguments first)."""

@@ -40,7 +40,36 @@ def _window_slots(kernel_size, rank: int) -> int:
     return math.prod(sizes)
 
 
+def _nested(*tensors) -> bool:
+    return any(t is not None and t.is_nested for t in tensors)
+
+
+def _per_element(op, names, tensors, rank, *window):
+    """NATTEN 0.17's nested-tensor rule for the unfused operators: every tensor argument nested (one element per
+    image size, each a heads-first batch of its own), no autograd; ``op(rank, *elements, *window)`` runs element by
+    element and the results are nested again."""
+    given = [(n, t) for n, t in zip(names, tensors) if t is not None]
+    flat = [n for n, t in given if not t.is_nested]
+    if flat:
+        raise ValueError(f"{flat[0]}: {', '.join(n for n, _ in given)} must all be nested tensors when one is "
+                         f"(NATTEN's rule)")
+    if any(t.requires_grad for _, t in given):
+        raise ValueError(f"{given[0][0]}: autograd is not supported for nested tensors (NATTEN's rule); pass "
+                         f"tensors that do not require grad")
+    sizes = {n: t.size(0) for n, t in given}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"{given[1][0]}: nested tensors with different numbers of elements: {sizes}")
+    elements = [t.unbind() if t is not None else [None] * sizes[given[0][0]] for t in tensors]
+    return torch.nested.nested_tensor([op(rank, *parts, *window) for parts in zip(*elements)])
+
+
 def _qk(rank, query, key, kernel_size, dilation, additional_keys, is_causal, rpb):
+    if _nested(query, key, additional_keys):
+        if rpb is not None and rpb.is_nested:
+            raise ValueError("rpb: the positional bias cannot be nested")
+        return _per_element(lambda r, q, k, extra, *w: _qk(r, q, k, w[0], w[1], extra, w[2], rpb),
+                            ("query", "key", "additional_keys"), (query, key, additional_keys), rank, kernel_size,
+                            dilation, is_causal)
     _check_heads_first("query", query, rank)
     _check_heads_first("key", key, rank)
     logits = _unfused.na_qk(rank, _heads_last(query, rank), _heads_last(key, rank), kernel_size, 1, dilation,
@@ -56,6 +85,10 @@ def _qk(rank, query, key, kernel_size, dilation, additional_keys, is_causal, rpb
 
 
 def _av(rank, attn, value, kernel_size, dilation, additional_values, is_causal):
+    if _nested(attn, value, additional_values):
+        return _per_element(lambda r, a, v, extra, *w: _av(r, a, v, w[0], w[1], extra, w[2]),
+                            ("attn", "value", "additional_values"), (attn, value, additional_values), rank,
+                            kernel_size, dilation, is_causal)
     _check_heads_first("attn", attn, rank)
     _check_heads_first("value", value, rank)
     slots = _window_slots(kernel_size, rank)
