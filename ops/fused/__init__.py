@@ -23,6 +23,8 @@ import torch
 
 from . import kernels, op
 from .explain import Explanation, KernelDecision, explain
+from .. import dense_window
+from ..autodiff import forward_mode
 from ..window import NAParams
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,10 +59,25 @@ class FusedBackend:
         return problem.device.type != "cuda"
 
     def attention(self, q, k, v, params: NAParams, rpb, scale, need_lse=True):
+        if _dense(params, need_lse, (q, k, v, rpb)):
+            return dense_window.attention(q, k, v, params, rpb, scale), None
         return op.attention(q, k, v, params, rpb, scale, need_lse)
 
     def attention_qkvpacked(self, qkv, params: NAParams, rpb, scale, need_lse=True):
+        if _dense(params, need_lse, (qkv, rpb)):
+            return dense_window.attention(*qkv.unbind(-3), params, rpb, scale), None
         return op.attention_qkvpacked(qkv, params, rpb, scale, need_lse)
+
+
+# Problems whose window covers the map (``ops.dense_window``) run as dense attention per dilation group through
+# ``scaled_dot_product_attention`` when this is True (env ``NAMODELS_DENSE_WINDOW=1``), the caller needs no lse and
+# no forward-mode AD is active (SDPA's GPU kernels define no tangent).  Off by default, until a GPU benchmark shows
+# SDPA's kernels beating the fused ones on these problems (docs/fused.md, "Windows that cover the map").
+DENSE_WINDOW = os.environ.get("NAMODELS_DENSE_WINDOW", "0") == "1"
+
+
+def _dense(params: NAParams, need_lse: bool, tensors) -> bool:
+    return DENSE_WINDOW and not need_lse and dense_window.covers(params) and not forward_mode(tensors)
 
 
 BACKEND = FusedBackend()
