@@ -204,3 +204,17 @@ def test_explain_names_the_bad_argument(change, argument):
     args.update(change)
     with pytest.raises(ValueError, match=argument):
         explain(**args)
+
+
+def test_explain_says_when_a_covered_window_runs_dense(monkeypatch):
+    """A window that covers the map: explain names the dense route while ``DENSE_WINDOW`` is on and no lse is asked
+    for, the kernels otherwise; a window that does not cover the map mentions neither."""
+    import ops.fused as fused
+
+    q = torch.randn(1, 14, 14, 2, 8, device=DEVICE)
+    for enabled, return_lse, route in ((True, False, "dense"), (True, True, "kernels"), (False, False, "kernels")):
+        monkeypatch.setattr(fused, "DENSE_WINDOW", enabled)
+        result = explain(q, q, q, 7, dilation=2, return_lse=return_lse, backward=False)
+        assert result.dense_window == route
+        assert ("runs dense attention per dilation group" in str(result)) == (route == "dense")
+    assert explain(q, q, q, 7, backward=False).dense_window is None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import decide, hopper, hopper_dkdv, launch, op, tiles
-from .. import functional
+from .. import dense_window, functional
 from ..backends import Problem
 from ..window import NAParams
 
@@ -78,6 +78,9 @@ class Explanation:
     backward_plan_cached: bool = False
     forward_plan: decide.ForwardPlan | None = None  # the plans the words above describe (``decide``, dry)
     backward_plan: decide.BackwardPlan | None = None
+    # the window covers the map (``ops.dense_window``): "dense" where the call runs SDPA per dilation group instead of
+    # the kernels below, "kernels" where it could but ``DENSE_WINDOW`` is off or the lse is asked for, None otherwise
+    dense_window: str | None = None
 
     def __str__(self) -> str:
         p = self.params
@@ -89,6 +92,12 @@ class Explanation:
         if self.unsupported is not None:
             lines.append(f"the fused backend refuses these inputs: {self.unsupported} (the decisions below are those "
                          "its launcher would make)")
+        if self.dense_window == "dense":
+            lines.append("the window covers the map and ops.fused.DENSE_WINDOW is on: the call runs dense attention "
+                         "per dilation group (ops.dense_window), not the kernels below")
+        elif self.dense_window == "kernels":
+            lines.append("the window covers the map: dense attention per dilation group (ops.dense_window) would "
+                         "serve it, but ops.fused.DENSE_WINDOW is off or the lse is asked for, so the kernels run")
         lines.append(f"forward plan {'cached' if self.forward_plan_cached else 'built on the first call'}")
         lines.append(str(self.forward))
         if self.dq is not None:
@@ -159,12 +168,19 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_
         shapes=dict(query=_shape(query.shape), key=_shape(key.shape), value=_shape(value.shape),
                     dtype=str(query.dtype).replace("torch.", ""), device=str(query.device)),
         forward=_forward(plan, query, params, scale, rpb is not None, need_lse, host_descriptors),
-        forward_plan_cached=cached, forward_plan=plan)
+        forward_plan_cached=cached, forward_plan=plan,
+        dense_window=None if not dense_window.covers(params) else "dense" if _dense(params, return_lse) else "kernels")
     if backward:
         _backward(result, query, key, value, rpb, params, scale, deterministic, rpb is not None and rpb.requires_grad,
                   host_descriptors)
     log.debug("%s", result)
     return result
+
+
+def _dense(params: NAParams, return_lse: bool) -> bool:
+    from . import DENSE_WINDOW
+
+    return DENSE_WINDOW and not return_lse
 
 
 def _masking(flags: dict, params: NAParams, config, scale: float, has_rpb: bool, inverse: bool = False) -> tuple:
