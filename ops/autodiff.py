@@ -1,9 +1,10 @@
 """Differentiation beyond first-order reverse mode, for every backend, in one place.
 
 The backends' kernels compute the attention and its first-order gradient; autograd does not record what runs inside
-them.  Everything beyond that comes from one exact composition of plain tensor ops, ``reference_attention`` (the
-naive backend's gather form: constant index tables, per-chunk gathers, ``einsum``), which autograd and
-``torch.func`` differentiate to any order:
+them.  Everything beyond that comes from two exact compositions that autograd differentiates to any order:
+``reference_attention`` (plain tensor ops, the naive backend's gather form: constant index tables, per-chunk
+gathers, ``einsum``; ``torch.func`` transforms it too) and ``recompute_attention`` (the gemm backend's operators,
+each differentiable through the others, so no gathered rows are held):
 
 * forward-mode AD (``torch.func.jvp`` / ``jacfwd`` / ``hessian``, ``torch.autograd.forward_ad`` dual tensors) and
   the ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``): a call made while one is active runs
@@ -15,9 +16,10 @@ naive backend's gather form: constant index tables, per-chunk gathers, ``einsum`
 * double backward (``create_graph=True`` followed by a backward through the gradients, ``torch.autograd.grad`` of
   a gradient, ``gradgradcheck``, gradient penalties, Hessian-vector products): ``second_order`` wraps each
   backend's backward.  Without ``create_graph`` the backend's kernels run as always; with it, the attention is
-  recomputed from the saved inputs with ``reference_attention`` and differentiated with ``create_graph=True``, so
-  the gradients carry every second-order term.  That graph holds each query's gathered keys and values
-  (``B * N * prod(K) * H * D`` elements), never an ``N x N`` matrix.
+  recomputed from the saved inputs with ``recompute_attention`` (the gemm backend's three operators, whose gradients
+  are each other, so autograd differentiates them through the same kernels to any order) and differentiated with
+  ``create_graph=True``, so the gradients carry every second-order term.  That graph holds the
+  ``[B, N, H, prod(K)]`` weights, never an ``N x N`` matrix nor the neighbors' gathered rows.
 
 The call-time routing is skipped while ``torch.compile`` traces (the compiled graph calls the registered ops, and
 aot_autograd refuses a double backward through a compiled graph itself).
@@ -32,7 +34,7 @@ import functools
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-__all__ = ["reference_attention", "reference_reason", "forward_mode", "recomputed_gradients", "second_order",
+__all__ = ["reference_attention", "recompute_attention", "reference_reason", "forward_mode", "recomputed_gradients", "second_order",
            "REFERENCE", "refuse_forward_ad"]
 
 # torch.func transform kinds (``torch._C._functorch.TransformType`` names, lower case) and what a user calls them
@@ -49,6 +51,16 @@ def reference_attention(q, k, v, params, rpb, scale):
     from .backends import load_backend  # (ops.naive imports this module)
 
     return load_backend("naive").traced_attention(q, k, v, params, rpb, scale)
+
+
+def recompute_attention(q, k, v, params, rpb, scale):
+    """``(out, lse)`` of heads-last (or flat ``[B, N, H, D]``) inputs from the gemm backend's operators, each
+    differentiable to any order (``ops.gemm.autograd.differentiable_attention``): what ``second_order`` differentiates
+    with ``create_graph=True``.  It holds the ``[B, N, H, prod(K)]`` weights, not the neighbors' gathered rows."""
+    from .backends import run_on_token_rows
+    from .gemm.autograd import differentiable_attention
+
+    return run_on_token_rows(differentiable_attention, q, k, v, rpb, params, scale)
 
 
 class _Reference:

@@ -7,7 +7,7 @@ one opaque node of the compiled graph, forward and backward, as the fused backen
 Eager calls keep the ``autograd.Function`` (no dispatcher cost); the backends take these ops only while dynamo traces.
 
 The formula's backward is ``ops.autodiff.second_order``: a backward with ``create_graph=True`` outside a compiled
-graph recomputes through the plain-op reference.
+graph recomputes through ``ops.autodiff.recompute_attention``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .autodiff import reference_attention, second_order
+from .autodiff import recompute_attention, second_order
 from .backends import run_on_token_rows
 from .window import NAParams
 
@@ -97,4 +97,4 @@ def register(name: str, forward: Callable, backward: Callable) -> Callable:
 
 
 def _plain_attend(params, scale, q, k, v, rpb):
-    return reference_attention(q, k, v, params, rpb, scale)
+    return recompute_attention(q, k, v, params, rpb, scale)

@@ -7,7 +7,7 @@ fixes.  On CUDA the attention runs through ``torch.compile`` (flex's fast path);
 eagerly unless ``ops.flex.COMPILE_ON_CPU`` is set (compiling costs seconds per new shape).
 
 Gradients (CUDA): an eager call sits behind one autograd node (``_Recorded``) whose first-order backward is flex's
-own and whose backward with ``create_graph=True`` recomputes through the plain-op reference (``ops.autodiff``);
+own and whose backward with ``create_graph=True`` recomputes through ``ops.autodiff.recompute_attention``;
 flex's backward is not differentiable.  A model compiled by the user traces flex inline.
 
 flex multiplies whole blocks (CUDA) or the whole score matrix (CPU's eager reference) by the values, where a
@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from ..autodiff import reference_attention, second_order
+from ..autodiff import recompute_attention, second_order
 from ..window import NAParams, admits
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ def _contain_nonfinite(q, k, v, score_mod, block_mask, scale, gqa):
 class _Recorded(torch.autograd.Function):
     """A flex call behind one autograd node.  Its forward records flex's own graph on detached inputs; the first-order
     backward runs through that graph (flex's backward kernels), a backward with ``create_graph=True`` recomputes
-    through ``ops.autodiff.reference_attention`` instead (``second_order``: flex's backward is not differentiable).
+    through ``ops.autodiff.recompute_attention`` instead (``second_order``: flex's backward is not differentiable).
     The recorded graph is released by the first backward; a further one over a retained graph records it again."""
 
     @staticmethod
@@ -278,7 +278,7 @@ def _record(attend, tensors):
 
 
 def _plain_attend(params, scale, q, k, v, rpb):
-    return reference_attention(q, k, v, params, rpb, scale)
+    return recompute_attention(q, k, v, params, rpb, scale)
 
 
 class FlexBackend:

@@ -6,9 +6,10 @@ graphs include the fused backward).  Autograd saves only q, k, v, rpb, out and l
 implementations also serve meta tensors (shapes only).
 
 Beyond first order (``ops.autodiff``): every backward here, the registered formulas and the eager
-``autograd.Function`` alike, is ``second_order`` (with ``create_graph=True`` the gradients come from the plain-op
-recompute, so a double backward is exact); forward mode never reaches these ops (``ops.functional`` routes it to
-``ops.autodiff.reference_attention``), and dual tensors that reach a kernel anyway raise.
+``autograd.Function`` alike, is ``second_order`` (with ``create_graph=True`` the gradients come from
+``ops.autodiff.recompute_attention``, so a double backward is exact).  Forward mode runs ``_ForwardMode``: the forward
+kernel for the primal, the tangent kernel (``jvp.py``) for the tangents; dual tensors that reach the registered ops'
+kernels directly raise.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from . import launch
-from ..autodiff import forward_mode, recomputed_gradients, reference_attention, refuse_forward_ad, second_order
+from ..autodiff import forward_mode, recompute_attention, recomputed_gradients, refuse_forward_ad, second_order
 from ..window import NAParams
 from .jvp import forward_tangent
 
@@ -101,7 +102,7 @@ def _gradients(saved, d_out, d_lse, needs_input_grad, compute):
 
 
 def _recompute_inputs(ctx):
-    """``ops.autodiff.second_order``'s view of the registered op: its tensors and their plain-op attention."""
+    """``ops.autodiff.second_order``'s view of the registered op: its tensors and their differentiable recompute."""
     q, k, v, rpb = ctx.saved_tensors[:4]
     kernel_size, stride, dilation, is_causal, scale = ctx.window
     params = _params(q, kernel_size, stride, dilation, is_causal)
@@ -109,11 +110,11 @@ def _recompute_inputs(ctx):
 
 
 def _plain_attend(params, scale, q, k, v, rpb):
-    return reference_attention(q, k, v, params, rpb, scale)
+    return recompute_attention(q, k, v, params, rpb, scale)
 
 
 def _plain_attend_packed(params, scale, qkv, rpb):
-    return reference_attention(*qkv.unbind(-3), params, rpb, scale)
+    return recompute_attention(*qkv.unbind(-3), params, rpb, scale)
 
 
 @second_order(_recompute_inputs)
@@ -267,8 +268,8 @@ class _EagerFusedNAPacked(torch.autograd.Function):
 class _ForwardMode(torch.autograd.Function):
     """Fused attention under forward-mode AD (``torch.func.jvp``, dual tensors): the primal from the forward kernel,
     the tangents of out and lse from the tangent kernel (``ops/fused/jvp.py``) in one pass over each window.  A
-    reverse-mode pass through the same call (``jacrev`` of a ``jvp``, or a backward) recomputes through the plain-op
-    reference (``ops.autodiff``)."""
+    reverse-mode pass through the same call (``jacrev`` of a ``jvp``, or a backward) recomputes
+    (``ops.autodiff.recompute_attention``)."""
 
     @staticmethod
     def forward(q, k, v, rpb, params: NAParams, scale: float):

@@ -10,9 +10,8 @@ Every backward is again PN / NN / IN (the paper's operator algebra):
   ``P * (dP - delta)`` (written over the logits where the precisions agree), ``dq = NN(dS, k)``,
   ``dk = IN(dS, q)``, ``delta = rowsum(dout * out) - dlse``.
 
-A backward with ``create_graph=True`` through ``Attention`` recomputes through the plain-op reference
-(``ops.autodiff.second_order``), as does one through ``QK`` / ``AV`` (through ``ops.naive``'s plain forms of the
-operators).  Tensors here are flat over space: ``[B, N, heads, dim]``.
+A backward with ``create_graph=True`` through ``Attention``, ``QK`` or ``AV`` recomputes through ``_PN`` /
+``_NN`` / ``_IN``, the same operators made differentiable to any order (``ops.autodiff.second_order``).  Tensors here are flat over space: ``[B, N, heads, dim]``.
 """
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ import functools
 import torch
 
 from ..autodiff import second_order
-from ..naive import plain_av, plain_forward, plain_qk
 from . import operators as op
 from .torch_tiled import compute_dtype
 
@@ -138,13 +136,97 @@ class Attention(torch.autograd.Function):
         return dq, dk, dv, drpb, None, None
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The operator algebra, differentiable to any order: each operator's gradients are the other two operators, so a
+# composition of them is differentiated by autograd through the same kernels however often, holding the
+# [B, N, H, prod(K)] weights and never the neighbors' gathered rows.  What a backward with create_graph=True
+# recomputes (``ops.autodiff.second_order``).
+# ---------------------------------------------------------------------------------------------------------------
+class _PN(torch.autograd.Function):
+    """``a [B, N, Ha, D]``, ``b [B, N, Hb, D]`` -> ``[B, N, Ha, W]`` dot products, 0 in empty causal slots."""
+
+    @staticmethod
+    def forward(ctx, a, b, params, out_dtype):
+        ctx.save_for_backward(a, b)
+        ctx.params = params
+        return op.pn(a, b, params, fill=0.0, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        da = _NN.apply(g, b, ctx.params, a.dtype) if ctx.needs_input_grad[0] else None
+        db = _IN.apply(g, a, ctx.params, b.shape[2], b.dtype) if ctx.needs_input_grad[1] else None
+        return da, db, None, None
+
+
+class _NN(torch.autograd.Function):
+    """``w [B, N, Ha, W]``, ``b [B, N, Hb, Dv]`` -> ``[B, N, Ha, Dv]``: weights times the neighbors' rows."""
+
+    @staticmethod
+    def forward(ctx, w, b, params, out_dtype):
+        ctx.save_for_backward(w, b)
+        ctx.params = params
+        return op.nn(w, b, params, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        w, b = ctx.saved_tensors
+        dw = _PN.apply(g, b, ctx.params, w.dtype) if ctx.needs_input_grad[0] else None
+        db = _IN.apply(w, g, ctx.params, b.shape[2], b.dtype) if ctx.needs_input_grad[1] else None
+        return dw, db, None, None
+
+
+class _IN(torch.autograd.Function):
+    """``w [B, N, Ha, W]``, ``x [B, N, Ha, D]`` -> ``[B, N, heads, D]``: each weight times its query's row, added up
+    at the key of its slot."""
+
+    @staticmethod
+    def forward(ctx, w, x, params, heads, out_dtype):
+        ctx.save_for_backward(w, x)
+        ctx.params = params
+        return op.inn(w, x, params, heads, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        w, x = ctx.saved_tensors
+        dw = _PN.apply(x, g, ctx.params, w.dtype) if ctx.needs_input_grad[0] else None
+        dx = _NN.apply(w, g, ctx.params, x.dtype) if ctx.needs_input_grad[1] else None
+        return dw, dx, None, None, None
+
+
+def differentiable_attention(q, k, v, rpb, params, scale):
+    """``(out, lse)`` of flat ``[B, N, H, D]`` inputs from the differentiable operators: softmax of
+    ``PN(q * scale, k)`` plus the gathered RPB, masked at empty slots, then ``NN`` with the values."""
+    from ..naive import _constant_tables
+
+    ct = compute_dtype(q.dtype)
+    _, valid, rel, all_valid = _constant_tables(params, torch.device(q.device), 0, q.shape[1])
+    logits = _PN.apply(q * scale, k, params, ct)
+    if rpb is not None:
+        logits = logits + rpb.flatten(1)[:, rel].permute(1, 0, 2).to(ct)  # [N, H, W]
+    if not all_valid:
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    out = _NN.apply(torch.exp(logits - lse.unsqueeze(-1)), v, params, q.dtype)
+    return out, lse
+
+
 def _plain_qk(params, q, k, rpb):
-    return (plain_qk(q, k, rpb, params),)
+    """``QK`` from the differentiable operators (its recompute under ``create_graph=True``)."""
+    from ..naive import _constant_tables
+
+    logits = _PN.apply(q, k, params, q.dtype)
+    _, valid, rel, all_valid = _constant_tables(params, torch.device(q.device), 0, q.shape[1])
+    if rpb is not None:
+        logits = logits + rpb.flatten(1)[:, rel].permute(1, 0, 2).to(logits.dtype)
+    if not all_valid:
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    return (logits,)
 
 
 def _plain_av(params, attn, v):
-    return (plain_av(attn, v, params),)
+    return (_NN.apply(attn, v, params, v.dtype),)
 
 
 def _plain_attend(params, scale, q, k, v, rpb):
-    return plain_forward(q, k, v, rpb, params, scale)
+    return differentiable_attention(q, k, v, rpb, params, scale)

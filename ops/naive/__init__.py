@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ..autodiff import second_order
+from ..autodiff import recompute_attention, second_order
 from ..backends import constant_tensors, run_on_token_rows
 from ..registered import register
 from ..window import NAParams, neighbor_table
@@ -219,7 +219,7 @@ class _NaiveAttention(torch.autograd.Function):
 
 
 def _plain_attend(params, scale, q, k, v, rpb):
-    return plain_forward(q, k, v, rpb, params, scale)
+    return recompute_attention(q, k, v, params, rpb, scale)
 
 
 class NaiveBackend:
