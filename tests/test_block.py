@@ -545,3 +545,27 @@ def test_a_drop_path_of_another_type_scales_each_branch_through_its_module():
         got = block(x)
     assert block.path == "ops" and "drop_path" in block.path_reason
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_covered_window_leaves_the_tape_when_dense_windows_are_on(monkeypatch):
+    """With ``ops.fused.DENSE_WINDOW`` on, a block whose window covers its map (7x7 map, 7x7 window) runs its torch
+    forms, whose attention call takes the dense route, and says why; a block whose window does not cover stays on
+    the tape.  The output equals the tape's."""
+    import ops.fused as fused
+
+    block = _block(kernel_size=7, dilation=1)
+    x = torch.randn(B, 7, 7, C)
+    with torch.no_grad():
+        taped = block(x)
+    assert block.path == "tape"
+    monkeypatch.setattr(fused, "DENSE_WINDOW", True)
+    block.__dict__.pop("_tape_settings", None)
+    with torch.no_grad():
+        dense = block(x)
+    assert (block.path, block.path_reason) == (
+        "ops", "the window covers the map and ops.fused.DENSE_WINDOW is on (dense attention per dilation group)")
+    torch.testing.assert_close(dense, taped, rtol=2e-4, atol=2e-4)
+    small = _block(kernel_size=3, dilation=1)
+    with torch.no_grad():
+        small(x)
+    assert small.path == "tape"

@@ -25,6 +25,7 @@ no Python per call).  ``ENABLED = False`` turns the tape off.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from timm.layers import DropPath, Mlp
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
+from ops import dense_window
 from ops.backends import Problem, current_backend, select_backend
 from ops.functional import make_params
 from ops.layer_norm import MAX_COLUMNS, SUPPORTED_DTYPES
@@ -377,6 +379,8 @@ def _settings(p: B.BlockParts, weights, x, autocast: bool, grad: bool) -> BlockS
         return "no NA backend serves this call"
     if backend.name != "fused":
         return f"the {backend.name!r} NA backend serves this call (the tape runs the fused kernels)"
+    if getattr(sys.modules.get("ops.fused"), "DENSE_WINDOW", False) and dense_window.covers(params):
+        return "the window covers the map and ops.fused.DENSE_WINDOW is on (dense attention per dilation group)"
     return BlockSettings(params, attn.head_dim ** -0.5, attn.num_heads, dtype, autocast, grad)
 
 
