@@ -561,3 +561,28 @@ def test_model_forward_mode_on_the_gpu_matches_the_reference_path():
         with ops.use_backend(backend), fwAD.dual_level():
             tangents[backend] = fwAD.unpack_dual(model(fwAD.make_dual(x, dx))).tangent
     torch.testing.assert_close(tangents["fused"], tangents["naive"], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gemm", "fused", "naive"])
+def test_second_derivatives_on_the_gpu(backend):
+    """On CUDA the recompute runs the gemm operators' Triton kernels: a gradient of a gradient (float32, RPB, GQA,
+    dilation) equals the oracle's."""
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA device")
+    gen = torch.Generator().manual_seed(21)
+    spatial, kernel, dilation = (12, 10), (3, 5), (2, 1)
+    tensors = [torch.randn(*shape, generator=gen).cuda().requires_grad_(True)
+               for shape in ((2, *spatial, 4, 32), (2, *spatial, 2, 32), (2, *spatial, 2, 32), (4, 5, 9))]
+
+    def run(attend, tensors):
+        q, k, v, rpb = tensors
+        out = attend(q, k, v, rpb)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v, rpb), create_graph=True)
+        return torch.autograd.grad(sum(g.square().sum() for g in grads), (q, k, v, rpb))
+
+    got = run(lambda q, k, v, rpb: ops.na2d(q, k, v, kernel, dilation=dilation, rpb=rpb, backend=backend), tensors)
+    want = run(lambda q, k, v, rpb: oracle_attention(q, k, v, spatial, kernel, (1, 1), dilation, NO, rpb=rpb)[0],
+               [_reference(t) for t in tensors])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double().cpu(), w, rtol=2e-3, atol=2e-3)

@@ -149,6 +149,9 @@ class _PN(torch.autograd.Function):
     def forward(ctx, a, b, params, out_dtype):
         ctx.save_for_backward(a, b)
         ctx.params = params
+        if a.dtype != b.dtype:  # (a float32 gradient against 16-bit rows, in a higher derivative: the wider type)
+            wide = torch.promote_types(a.dtype, b.dtype)
+            a, b = a.to(wide), b.to(wide)
         return op.pn(a, b, params, fill=0.0, out_dtype=out_dtype)
 
     @staticmethod
