@@ -180,7 +180,7 @@ def test_main_counts_problems_as_it_goes(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bench, "measure_ceilings", lambda device: {"copy_GBps": 1.0})
     ran = []
-    monkeypatch.setattr(bench, "run_problem", lambda p, *args: ran.append(p.name) or [])
+    monkeypatch.setattr(bench, "run_problem", lambda p, *args, **kwargs: ran.append(p.name) or [])
     bench.main(["--problems", "2d-flux,nat-s1", "--backends", "naive"])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert ran == ["2d-flux", "nat-s1"]
