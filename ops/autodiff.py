@@ -24,8 +24,9 @@ each differentiable through the others, so no gathered rows are held):
 The call-time routing is skipped while ``torch.compile`` traces (the compiled graph calls the registered ops, and
 aot_autograd refuses a double backward through a compiled graph itself).
 
-``ops.unfused``'s weight operators (``na_qk`` / ``na_av``) follow the same two rules with their own plain-op forms
-(``ops.naive.plain_qk`` / ``plain_av``).
+``ops.unfused``'s weight operators (``na_qk`` / ``na_av``) follow the same rules: forward mode and the transforms
+run their plain forms (``ops.naive.plain_qk`` / ``plain_av``), a backward with ``create_graph=True`` recomputes
+through the gemm operators.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ import functools
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-__all__ = ["reference_attention", "recompute_attention", "reference_reason", "forward_mode", "recomputed_gradients", "second_order",
-           "REFERENCE", "refuse_forward_ad"]
+__all__ = ["reference_attention", "recompute_attention", "reference_reason", "forward_mode", "recomputed_gradients",
+           "second_order", "REFERENCE", "refuse_forward_ad"]
 
 # torch.func transform kinds (``torch._C._functorch.TransformType`` names, lower case) and what a user calls them
 _TRANSFORM_NAMES = {
@@ -46,8 +47,8 @@ _TRANSFORM_NAMES = {
 
 
 def reference_attention(q, k, v, params, rpb, scale):
-    """``(out, lse)`` of heads-last inputs as plain tensor ops (the naive backend's traced form): what forward mode,
-    the ``torch.func`` transforms and a double backward differentiate."""
+    """``(out, lse)`` of heads-last inputs as plain tensor ops (the naive backend's traced form): what forward mode
+    and the ``torch.func`` transforms differentiate where a backend's kernels do not serve them."""
     from .backends import load_backend  # (ops.naive imports this module)
 
     return load_backend("naive").traced_attention(q, k, v, params, rpb, scale)
@@ -116,18 +117,12 @@ def reference_reason(tensors, functorch_transforms=()) -> str | None:
     return None
 
 
-def recomputed_gradients(needs_input_grad, tensors, attend, grads):
-    """Gradients of ``attend(*tensors) -> (out, lse)`` for the incoming ``grads``, with ``create_graph=True``: the
-    backward of a node whose own kernels autograd cannot differentiate (``second_order``)."""
-    return _recomputed_gradients(needs_input_grad, tensors, attend, grads)
-
-
 def second_order(inputs):
     """Decorates a backward ``backward(ctx, d_out, d_lse)`` (an ``autograd.Function``'s, or a formula given to
     ``torch.library.register_autograd``) of an attention ``(out, lse)``.
 
     ``inputs(ctx) -> (tensors, attend)``: the Function's inputs in argument order (None where an argument is not a
-    tensor, or no tensor was given) and ``attend(*tensors) -> (out, lse)`` as plain tensor ops.  Without
+    tensor, or no tensor was given) and ``attend(*tensors) -> (out, lse)``, differentiable to any order.  Without
     ``create_graph`` the backward runs as it is; with it, the gradients come from differentiating ``attend``
     recomputed on the saved inputs, with ``create_graph=True`` (module docstring)."""
 
@@ -137,14 +132,17 @@ def second_order(inputs):
             if not torch.is_grad_enabled():  # create_graph=False: nothing will differentiate the gradients
                 return backward(ctx, *grads)
             tensors, attend = inputs(ctx)
-            return _recomputed_gradients(ctx.needs_input_grad, tensors, attend, grads)
+            return recomputed_gradients(ctx.needs_input_grad, tensors, attend, grads)
 
         return wrapper
 
     return decorate
 
 
-def _recomputed_gradients(needs_input_grad, tensors, attend, grads):
+def recomputed_gradients(needs_input_grad, tensors, attend, grads):
+    """Gradients of ``attend(*tensors)`` (a tuple of outputs) for the incoming ``grads``, with ``create_graph=True``,
+    in the slots ``needs_input_grad`` asks for: the backward of a node whose own kernels autograd cannot
+    differentiate."""
     wanted = [i for i, t in enumerate(tensors) if t is not None and needs_input_grad[i] and t.requires_grad]
     result = [None] * len(needs_input_grad)
     if not wanted:

@@ -11,7 +11,8 @@ Every backward is again PN / NN / IN (the paper's operator algebra):
   ``dk = IN(dS, q)``, ``delta = rowsum(dout * out) - dlse``.
 
 A backward with ``create_graph=True`` through ``Attention``, ``QK`` or ``AV`` recomputes through ``_PN`` /
-``_NN`` / ``_IN``, the same operators made differentiable to any order (``ops.autodiff.second_order``).  Tensors here are flat over space: ``[B, N, heads, dim]``.
+``_NN`` / ``_IN``, the same operators made differentiable to any order (``ops.autodiff.second_order``).  Tensors
+here are flat over space: ``[B, N, heads, dim]``.
 """
 from __future__ import annotations
 
