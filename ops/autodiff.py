@@ -35,8 +35,8 @@ import functools
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-__all__ = ["reference_attention", "recompute_attention", "reference_reason", "forward_mode", "recomputed_gradients",
-           "second_order", "REFERENCE", "refuse_forward_ad"]
+__all__ = ["reference_attention", "recompute_attention", "recompute_with", "saved_inputs", "reference_reason",
+           "forward_mode", "recomputed_gradients", "second_order", "REFERENCE", "refuse_forward_ad"]
 
 # torch.func transform kinds (``torch._C._functorch.TransformType`` names, lower case) and what a user calls them
 _TRANSFORM_NAMES = {
@@ -64,6 +64,21 @@ def recompute_attention(q, k, v, params, rpb, scale):
     return run_on_token_rows(differentiable_attention, q, k, v, rpb, params, scale)
 
 
+def recompute_with(params, scale):
+    """``attend(q, k, v, rpb) -> (out, lse)``: ``recompute_attention`` for one problem, as ``second_order`` takes it."""
+    return functools.partial(_recompute, params, scale)
+
+
+def _recompute(params, scale, q, k, v, rpb):
+    return recompute_attention(q, k, v, params, rpb, scale)
+
+
+def saved_inputs(ctx):
+    """``second_order``'s ``inputs`` for a Function that saved ``(q, k, v, rpb, ...)`` first and keeps
+    ``ctx.params`` and ``ctx.scale``."""
+    return ctx.saved_tensors[:4], recompute_with(ctx.params, ctx.scale)
+
+
 class _Reference:
     """The stand-in backend of calls routed to ``reference_attention`` (the call sites treat it as any backend)."""
 
@@ -83,6 +98,11 @@ def _has_tangent(t) -> bool:
     return isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None
 
 
+def _dual(tensors) -> bool:
+    """Whether one of ``tensors`` is a dual tensor of the current ``torch.autograd.forward_ad`` level."""
+    return _forward_ad._current_level >= 0 and any(_has_tangent(t) for t in tensors)
+
+
 def _active_transforms() -> list[str]:
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
@@ -94,7 +114,7 @@ def forward_mode(tensors) -> bool:
     ``hessian``) is active, or one of them is a dual tensor of the current ``torch.autograd.forward_ad`` level."""
     if torch._C._are_functorch_transforms_active() and "jvp" in _active_transforms():
         return True
-    return _forward_ad._current_level >= 0 and any(_has_tangent(t) for t in tensors)
+    return _dual(tensors)
 
 
 def reference_reason(tensors, functorch_transforms=()) -> str | None:
@@ -110,9 +130,9 @@ def reference_reason(tensors, functorch_transforms=()) -> str | None:
                 return f"{_TRANSFORM_NAMES.get(kind, 'torch.func.' + kind)} is active"
         if len(set(kinds)) > 1:
             return f"nested torch.func transforms ({', '.join(kinds)})"
-        if "jvp" not in kinds and _forward_ad._current_level >= 0 and any(_has_tangent(t) for t in tensors):
+        if "jvp" not in kinds and _dual(tensors):
             return "dual tensors under a torch.func transform"
-    if "jvp" not in functorch_transforms and _forward_ad._current_level >= 0 and any(_has_tangent(t) for t in tensors):
+    if "jvp" not in functorch_transforms and _dual(tensors):
         return "an input is a forward-mode dual tensor (torch.autograd.forward_ad)"
     return None
 
@@ -168,5 +188,5 @@ def forward_ad_message(who: str) -> str:
 def refuse_forward_ad(who: str, tensors) -> None:
     """Raises where one of ``tensors`` is a dual tensor of the current ``torch.autograd.forward_ad`` level: a guard
     for kernels without a tangent rule, reached only by calls that bypass ``ops.functional``'s routing."""
-    if _forward_ad._current_level >= 0 and any(_has_tangent(t) for t in tensors):
+    if _dual(tensors):
         raise RuntimeError(forward_ad_message(who))

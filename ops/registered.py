@@ -11,12 +11,11 @@ graph recomputes through ``ops.autodiff.recompute_attention``.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import torch
 
-from .autodiff import recompute_attention, second_order
+from .autodiff import recompute_with, second_order
 from .backends import run_on_token_rows
 from .window import NAParams
 
@@ -79,7 +78,7 @@ def register(name: str, forward: Callable, backward: Callable) -> Callable:
     def recompute_inputs(ctx):
         q, k, v, rpb = ctx.saved_tensors[:4]
         *window, scale = ctx.window
-        return (q, k, v, rpb), functools.partial(_plain_attend, _params(q, *window), scale)
+        return (q, k, v, rpb), recompute_with(_params(q, *window), scale)
 
     @second_order(recompute_inputs)
     def backward_formula(ctx, d_out, d_lse):
@@ -94,7 +93,3 @@ def register(name: str, forward: Callable, backward: Callable) -> Callable:
                           [bool(c) for c in params.is_causal], float(scale))
 
     return call
-
-
-def _plain_attend(params, scale, q, k, v, rpb):
-    return recompute_attention(q, k, v, params, rpb, scale)

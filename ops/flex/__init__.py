@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from ..autodiff import recompute_attention, second_order
+from ..autodiff import saved_inputs, second_order
 from ..window import NAParams, admits
 
 log = logging.getLogger(__name__)
@@ -254,7 +254,7 @@ class _Recorded(torch.autograd.Function):
         return out.detach(), lse.detach()
 
     @staticmethod
-    @second_order(lambda ctx: (ctx.saved_tensors, functools.partial(_plain_attend, ctx.params, ctx.scale)))
+    @second_order(saved_inputs)
     def backward(ctx, d_out, d_lse):
         leaves, out, lse = ctx.recorded if ctx.recorded is not None else _record(ctx.attend, ctx.saved_tensors)
         ctx.recorded = None
@@ -275,10 +275,6 @@ def _record(attend, tensors):
     with torch.enable_grad():
         out, lse = attend(*leaves)
     return leaves, out, lse
-
-
-def _plain_attend(params, scale, q, k, v, rpb):
-    return recompute_attention(q, k, v, params, rpb, scale)
 
 
 class FlexBackend:

@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from . import launch
-from ..autodiff import forward_mode, recompute_attention, recomputed_gradients, refuse_forward_ad, second_order
+from ..autodiff import (forward_mode, recompute_attention, recompute_with, recomputed_gradients, refuse_forward_ad,
+                        saved_inputs, second_order)
 from ..window import NAParams
 from .jvp import forward_tangent
 
@@ -106,11 +107,7 @@ def _recompute_inputs(ctx):
     q, k, v, rpb = ctx.saved_tensors[:4]
     kernel_size, stride, dilation, is_causal, scale = ctx.window
     params = _params(q, kernel_size, stride, dilation, is_causal)
-    return (q, k, v, rpb), functools.partial(_plain_attend, params, scale)
-
-
-def _plain_attend(params, scale, q, k, v, rpb):
-    return recompute_attention(q, k, v, params, rpb, scale)
+    return (q, k, v, rpb), recompute_with(params, scale)
 
 
 def _plain_attend_packed(params, scale, qkv, rpb):
@@ -234,7 +231,7 @@ class _EagerFusedNA(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @second_order(lambda ctx: (ctx.saved_tensors[:4], functools.partial(_plain_attend, ctx.params, ctx.scale)))
+    @second_order(saved_inputs)
     def backward(ctx, d_out, d_lse):
         def compute(q, k, v, rpb, out, lse, d_out, d_lse, deterministic, want_drpb):
             return launch.backward(q, k, v, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale, deterministic,
@@ -294,7 +291,7 @@ class _ForwardMode(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         tensors = ctx.saved_tensors
         return recomputed_gradients(ctx.needs_input_grad, tensors,
-                                    functools.partial(_plain_attend, ctx.params, ctx.scale), (d_out, d_lse))
+                                    recompute_with(ctx.params, ctx.scale), (d_out, d_lse))
 
 
 def _unwrapped(t):

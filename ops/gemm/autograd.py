@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from ..autodiff import second_order
+from ..autodiff import saved_inputs, second_order
 from . import operators as op
 from .torch_tiled import compute_dtype
 
@@ -119,7 +119,7 @@ class Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @second_order(lambda ctx: (ctx.saved_tensors[:4], functools.partial(_plain_attend, ctx.params, ctx.scale)))
+    @second_order(saved_inputs)
     def backward(ctx, d_out, d_lse):
         q, k, v, rpb, logits, lse, out = ctx.saved_tensors
         params, scale = ctx.params, ctx.scale
@@ -201,36 +201,29 @@ class _IN(torch.autograd.Function):
 def differentiable_attention(q, k, v, rpb, params, scale):
     """``(out, lse)`` of flat ``[B, N, H, D]`` inputs from the differentiable operators: softmax of
     ``PN(q * scale, k)`` plus the gathered RPB, masked at empty slots, then ``NN`` with the values."""
-    from ..naive import _constant_tables
-
-    ct = compute_dtype(q.dtype)
-    _, valid, rel, all_valid = _constant_tables(params, torch.device(q.device), 0, q.shape[1])
-    logits = _PN.apply(q * scale, k, params, ct)
-    if rpb is not None:
-        logits = logits + rpb.flatten(1)[:, rel].permute(1, 0, 2).to(ct)  # [N, H, W]
-    if not all_valid:
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    logits = _logits(q * scale, k, rpb, params, compute_dtype(q.dtype))
     lse = torch.logsumexp(logits, dim=-1)
     out = _NN.apply(torch.exp(logits - lse.unsqueeze(-1)), v, params, q.dtype)
     return out, lse
 
 
-def _plain_qk(params, q, k, rpb):
-    """``QK`` from the differentiable operators (its recompute under ``create_graph=True``)."""
+def _logits(q, k, rpb, params, dtype):
+    """``QK``'s logits from ``_PN`` in ``dtype``: the gathered RPB added, ``-inf`` in empty causal slots."""
     from ..naive import _constant_tables
 
-    logits = _PN.apply(q, k, params, q.dtype)
+    logits = _PN.apply(q, k, params, dtype)
     _, valid, rel, all_valid = _constant_tables(params, torch.device(q.device), 0, q.shape[1])
     if rpb is not None:
-        logits = logits + rpb.flatten(1)[:, rel].permute(1, 0, 2).to(logits.dtype)
+        logits = logits + rpb.flatten(1)[:, rel].permute(1, 0, 2).to(dtype)  # [N, H, W]
     if not all_valid:
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    return (logits,)
+    return logits
+
+
+def _plain_qk(params, q, k, rpb):
+    """``QK`` from the differentiable operators (its recompute under ``create_graph=True``)."""
+    return (_logits(q, k, rpb, params, q.dtype),)
 
 
 def _plain_av(params, attn, v):
     return (_NN.apply(attn, v, params, v.dtype),)
-
-
-def _plain_attend(params, scale, q, k, v, rpb):
-    return differentiable_attention(q, k, v, rpb, params, scale)

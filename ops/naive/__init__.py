@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ..autodiff import recompute_attention, second_order
+from ..autodiff import saved_inputs, second_order
 from ..backends import constant_tensors, run_on_token_rows
 from ..registered import register
 from ..window import NAParams, neighbor_table
@@ -210,16 +210,12 @@ class _NaiveAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @second_order(lambda ctx: (ctx.saved_tensors[:4], functools.partial(_plain_attend, ctx.params, ctx.scale)))
+    @second_order(saved_inputs)
     def backward(ctx, d_out, d_lse):
         q, k, v, rpb, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
         return (*_gradients(q, k, v, rpb, out, lse, d_out, d_lse, ctx.params, ctx.scale), None, None)
-
-
-def _plain_attend(params, scale, q, k, v, rpb):
-    return recompute_attention(q, k, v, params, rpb, scale)
 
 
 class NaiveBackend:
